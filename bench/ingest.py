@@ -1,0 +1,238 @@
+"""Ingest throughput: end-to-end records/s over HTTP beside the raw bulk-insert rate, same run.
+
+For each database (SQLite file in WAL mode; PostgreSQL when reachable) this
+
+1. measures the raw rate: the same sample rows bulk-inserted straight into the same
+   ``samples`` table (SQLite executemany, PostgreSQL COPY) with no HTTP, validation or rollups;
+2. starts ``shadowd serve`` (uvicorn, one process) on a fresh database and posts pre-encoded
+   msgpack batches of realistic size (61 layers × 64 verify steps = 3 904 samples) over one
+   keep-alive connection per client thread, measuring records/s and per-batch latency.
+
+Prints a table and appends it to bench/results/ingest-<date>.md with date, machine and commit.
+Usage: python bench/ingest.py [--batches 40] [--clients 2] [--pg URL | --no-pg]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shadowd.collector.batch import parse_batch  # noqa: E402
+from shadowd.collector.db import upgrade  # noqa: E402
+from shadowd.collector.store import SAMPLE_COLUMNS  # noqa: E402
+from shadowd.wire import MSGPACK, encode_msgpack  # noqa: E402
+from tests.factories import make_batch, run_body  # noqa: E402
+
+LAYERS = 61
+STEPS_PER_BATCH = 64
+PG_DEFAULT = os.environ.get("SHADOWD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def batches(n: int) -> list[dict]:
+    per = LAYERS * STEPS_PER_BATCH
+    return [make_batch(per, num_layers=LAYERS, seq=i, step0=i * STEPS_PER_BATCH, producer="bench", seed=i,
+                       ts0=time.time()) for i in range(n)]
+
+
+def rows_of(batch: dict, run_id: int) -> list[tuple]:
+    b = parse_batch(batch)
+    c = b.cols
+    hist = np.ascontiguousarray(c["hist"], dtype="<i8")
+    n = b.n
+    cols = [[run_id] * n, [b.producer] * n] + [
+        c[k].tolist() for k in SAMPLE_COLUMNS[2:24]
+    ] + [[r.tobytes() for r in hist], c["error"], c["mode"]] + [
+        c[k].tolist() for k in ("oracle_cand_err", "oracle_base_err", "cand_us", "base_us", "new_requests")
+    ] + [[0] * n]
+    return list(zip(*cols, strict=True))
+
+
+def raw_rate(url: str, data: list[dict]) -> float:
+    """Rows/s of a plain bulk insert of the same rows into the same table."""
+    upgrade(url)
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        run_id = conn.execute(text(
+            "INSERT INTO runs (run_key, model, num_layers, tp_size, candidate_name, candidate_fingerprint, "
+            "baseline_name, baseline_fingerprint, labels, started_at, created_at) VALUES "
+            "(:k, 'm', 61, 1, 'c', 'f', 'b', 'g', '{}', 0, 0) RETURNING id"), {"k": uuid.uuid4().hex}).scalar_one()
+    prepared = [rows_of(b, run_id) for b in data]
+    names = ", ".join(f'"{c}"' for c in SAMPLE_COLUMNS)
+    total = sum(len(r) for r in prepared)
+    t0 = time.perf_counter()
+    for rows in prepared:
+        with engine.begin() as conn:
+            if engine.dialect.name == "postgresql":
+                raw = conn.connection.driver_connection
+                with raw.cursor() as cur, cur.copy(f"COPY samples ({names}) FROM STDIN") as cp:
+                    for row in rows:
+                        cp.write_row(row)
+            else:
+                marks = ", ".join("?" * len(SAMPLE_COLUMNS))
+                conn.exec_driver_sql(f"INSERT INTO samples ({names}) VALUES ({marks})", rows)
+    elapsed = time.perf_counter() - t0
+    engine.dispose()
+    return total / elapsed
+
+
+def http_rate(url: str, data: list[dict], clients: int) -> tuple[float, float, float]:
+    """End-to-end records/s and p50/p99 batch latency (ms) through ``shadowd serve``."""
+    port = free_port()
+    env = {**os.environ, "SHADOWD_RETENTION_HOURS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "shadowd", "serve", "--db", url, "--port", str(port),
+                             "--upgrade", "--log-level", "warning"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError(proc.stderr.read().decode() if proc.stderr else "server did not start")
+        run_id = httpx.post(f"{base}/v1/runs", json=run_body(num_layers=LAYERS)).json()["id"]
+        bodies = []
+        for k in range(clients):
+            for b in data:
+                bodies.append((k, encode_msgpack({**b, "producer": f"bench-{k}"})))
+        warm = encode_msgpack(make_batch(61, num_layers=LAYERS, producer="warm", seq=0))
+        httpx.post(f"{base}/v1/runs/{run_id}/samples", content=warm, headers={"content-type": MSGPACK})
+        lat: list[float] = []
+        lock = threading.Lock()
+
+        def client(k: int) -> None:
+            with httpx.Client(base_url=base, timeout=60) as http:
+                for kk, body in bodies:
+                    if kk != k:
+                        continue
+                    t0 = time.perf_counter()
+                    r = http.post(f"/v1/runs/{run_id}/samples", content=body, headers={"content-type": MSGPACK})
+                    r.raise_for_status()
+                    with lock:
+                        lat.append(time.perf_counter() - t0)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        elapsed = time.perf_counter() - t0
+        stored = httpx.get(f"{base}/v1/runs/{run_id}").json()["samples"] - 61  # less the warm-up batch
+        expected = clients * sum(len(b["samples"]["layer"]) for b in data)
+        if stored != expected:
+            raise RuntimeError(f"stored {stored} samples, sent {expected}")
+        arr = np.array(lat) * 1000
+        return expected / elapsed, float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def pg_fresh(admin_url: str) -> tuple[str, callable]:
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(admin_url)
+    kw = {"host": u.host, "port": u.port or 5432, "user": u.username, "password": u.password, "dbname": u.database,
+          "autocommit": True}
+    name = f"shadowd_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(**kw) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with psycopg.connect(**kw) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return u.set(database=name).render_as_string(hide_password=False), drop
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet"], cwd=ROOT) != 0
+        return sha + ("+dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=30, help="batches per client")
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--pg", default=PG_DEFAULT)
+    ap.add_argument("--no-pg", action="store_true")
+    args = ap.parse_args()
+    data = batches(args.batches)
+    per = LAYERS * STEPS_PER_BATCH
+    lines = []
+    targets = [("sqlite", None)] + ([] if args.no_pg else [("postgresql", args.pg)])
+    for name, admin in targets:
+        with tempfile.TemporaryDirectory() as tmp:
+            drop = None
+            try:
+                if admin is None:
+                    raw_url, http_url = f"sqlite:///{tmp}/raw.db", f"sqlite:///{tmp}/http.db"
+                else:
+                    raw_url, drop_raw = pg_fresh(admin)
+                    http_url, drop_http = pg_fresh(admin)
+
+                    def drop(a=drop_raw, b=drop_http) -> None:
+                        a()
+                        b()
+            except Exception as exc:
+                print(f"{name}: skipped ({exc})")
+                continue
+            try:
+                raw = raw_rate(raw_url, data)
+                rate, p50, p99 = http_rate(http_url, data, args.clients)
+            finally:
+                if drop:
+                    drop()
+        ratio = rate / raw
+        lines.append(f"| {name} | {per} | {args.clients} | {rate:,.0f} | {raw:,.0f} | {ratio:.2f} | "
+                     f"{p50:.1f} | {p99:.1f} |")
+        print(lines[-1], flush=True)
+    header = ("| database | samples/batch | clients | HTTP records/s | raw insert rows/s | HTTP/raw | "
+              "p50 batch ms | p99 batch ms |\n|---|---|---|---|---|---|---|---|")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
+    report = f"\n## {stamp} — commit {commit()}\n\n{machine}\n\n{header}\n" + "\n".join(lines) + "\n"
+    out = ROOT / "bench" / "results" / f"ingest-{dt.date.today().isoformat()}.md"
+    if not out.exists():
+        out.write_text("# Ingest throughput (bench/ingest.py)\n\nGoal: ≥ 200 000 records/s into SQLite and ≥ half "
+                       "of each database's raw rate, on a 2-core machine.\n")
+    with out.open("a") as f:
+        f.write(report)
+    print(header)
+    print("\n".join(lines))
+    print(f"appended to {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""``python -m shadowd`` is the ``shadowd`` command."""
+
+from shadowd.cli import app
+
+app()

@@ -1,0 +1,83 @@
+"""The collector's app factory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from starlette.concurrency import run_in_threadpool
+
+from shadowd import __version__
+from shadowd.collector.db import check_schema, make_engine, upgrade
+from shadowd.collector.deps import AppState
+from shadowd.collector.errors import install_error_handlers
+from shadowd.collector.metrics import CollectorMetrics, RollupExporter
+from shadowd.collector.routers import health, readiness, runs, samples
+from shadowd.collector.settings import CollectorSettings
+from shadowd.collector.store import Store
+from shadowd.judge.policy import load_policy
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("shadowd.collector")
+
+NO_TOKEN_WARNING = (
+    "SHADOWD_TOKEN is not set: the collector accepts samples and kill-switch changes from anyone who "
+    "can reach it. Set SHADOWD_TOKEN (or --token) before exposing it beyond localhost."
+)
+
+
+async def _retention_loop(state: AppState) -> None:
+    s = state.settings
+    while True:
+        await asyncio.sleep(s.retention_interval_s)
+        try:
+            n = await run_in_threadpool(state.store.prune_samples, time.time() - s.retention_hours * 3600.0)
+            if n:
+                log.info("retention: deleted %d raw samples older than %.1f h", n, s.retention_hours)
+        except Exception:
+            log.exception("retention pass failed; will retry")
+
+
+def create_app(settings: CollectorSettings | None = None, registry: CollectorRegistry | None = None) -> FastAPI:
+    """Build the collector. The database must be at the migration head (or ``auto_upgrade``)."""
+    settings = settings or CollectorSettings()
+    registry = registry if registry is not None else CollectorRegistry()
+    if settings.auto_upgrade:
+        upgrade(settings.db_url)
+    engine = make_engine(settings.db_url)
+    check_schema(engine, settings.db_url)
+    policy = load_policy(settings.policy_file)
+    metrics = CollectorMetrics(registry)
+    registry.register(RollupExporter(engine, settings.metrics_active_hours))
+    store = Store(engine, policy, settings.time_bucket_s, settings.store_samples)
+    state = AppState(settings=settings, engine=engine, store=store, policy=policy, metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not settings.token:
+            log.warning(NO_TOKEN_WARNING)
+        tasks = []
+        if settings.retention_hours > 0:
+            tasks.append(asyncio.create_task(_retention_loop(state)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            engine.dispose()
+
+    app = FastAPI(title="shadowd collector", version=__version__, lifespan=lifespan,
+                  default_response_class=JSONResponse)
+    app.state.shadowd = state
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    for module in (health, runs, samples, readiness):
+        app.include_router(module.router)
+    return app

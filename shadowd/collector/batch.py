@@ -1,0 +1,216 @@
+"""Validation of one columnar sample batch (see shadowd.wire) into numpy columns.
+
+Every rejection raises :class:`BadBatch` naming the field (``samples.max_abs[17]``) and
+what was wrong, before anything is written: a bad batch stores nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shadowd.wire import COLUMNS, HIST_BINS, PRODUCER_STATS, Column, samples_digest
+
+__all__ = ["MAX_SAMPLES", "BadBatch", "ValidBatch", "parse_batch"]
+
+MAX_SAMPLES = 200_000
+_BY_NAME = {c.name: c for c in COLUMNS}
+_MODES = {"validate", "on"}
+_I64_MAX = 2**63 - 1
+
+
+class BadBatch(ValueError):
+    """A batch that must be rejected; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass
+class ValidBatch:
+    """A validated batch: one numpy array (or list of str/None) per column."""
+
+    producer: str
+    seq: int
+    n: int
+    cols: dict[str, Any]
+    digest: str
+    content_hash: str | None = None
+    producer_stats: dict[str, int] = field(default_factory=dict)
+
+
+def _as_array(raw: list[Any]) -> np.ndarray:
+    """np.asarray, with ragged or odd input mapped to an object array (the slow, precise path)."""
+    try:
+        return np.asarray(raw)
+    except (ValueError, TypeError, OverflowError):
+        return np.empty(0, dtype=object)
+
+
+def _first_bad(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _int_column(name: str, raw: list[Any], col: Column) -> np.ndarray:
+    arr = _as_array(raw)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        for i, v in enumerate(raw):
+            if isinstance(v, bool) or not isinstance(v, int):
+                what = "NaN" if isinstance(v, float) and math.isnan(v) else type(v).__name__
+                raise BadBatch(f"samples.{name}[{i}]", f"must be an integer, got {what}")
+            if abs(v) > _I64_MAX:
+                raise BadBatch(f"samples.{name}[{i}]", "integer out of range")
+        raise BadBatch(f"samples.{name}", "must be a list of integers")
+    arr = arr.astype(np.int64, copy=False)
+    if col.minimum is not None and arr.size and (low := arr < col.minimum).any():
+        i = _first_bad(low)
+        raise BadBatch(f"samples.{name}[{i}]", f"must be ≥ {col.minimum:g}, got {arr[i]}")
+    return arr
+
+
+def _float_column(name: str, raw: list[Any], col: Column) -> np.ndarray:
+    arr = _as_array(raw)
+    if arr.dtype.kind not in "fiu" or arr.ndim != 1:
+        none_ok = col.nullable or col.nan_ok
+        vals = []
+        for i, v in enumerate(raw):
+            if v is None and none_ok:
+                vals.append(math.nan)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise BadBatch(f"samples.{name}[{i}]", f"must be a number, got {type(v).__name__}")
+            else:
+                vals.append(float(v))
+        arr = np.asarray(vals, dtype=np.float64)
+    else:
+        arr = arr.astype(np.float64, copy=False)
+    nan = np.isnan(arr)
+    if not (col.nan_ok or col.nullable) and nan.any():
+        raise BadBatch(f"samples.{name}[{_first_bad(nan)}]", "must be a number, got NaN")
+    if not col.nan_ok and (inf := np.isinf(arr)).any():
+        raise BadBatch(f"samples.{name}[{_first_bad(inf)}]", "must be finite")
+    if col.minimum is not None and (low := arr < col.minimum).any():
+        i = _first_bad(low)
+        raise BadBatch(f"samples.{name}[{i}]", f"must be ≥ {col.minimum:g}, got {arr[i]}")
+    return arr
+
+
+def _str_column(name: str, raw: list[Any]) -> list[str | None]:
+    for i, v in enumerate(raw):
+        if v is not None and not isinstance(v, str):
+            raise BadBatch(f"samples.{name}[{i}]", f"must be a string or null, got {type(v).__name__}")
+        if isinstance(v, str) and len(v) > 200:
+            raise BadBatch(f"samples.{name}[{i}]", "longer than 200 characters")
+        if name == "mode" and v is not None and v not in _MODES:
+            raise BadBatch(f"samples.{name}[{i}]", f"must be one of {sorted(_MODES)}, got {v!r}")
+    return list(raw)
+
+
+def _hist_column(raw: list[Any], n: int) -> np.ndarray:
+    arr = _as_array(raw) if raw else np.zeros((0, HIST_BINS), dtype=np.int64)
+    if arr.dtype.kind not in "iu" or arr.shape != (n, HIST_BINS):
+        for i, row in enumerate(raw):
+            if not isinstance(row, list) or len(row) != HIST_BINS:
+                raise BadBatch(f"samples.hist[{i}]", f"must be a list of {HIST_BINS} integer counts")
+            for v in row:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise BadBatch(f"samples.hist[{i}]", f"counts must be integers, got {type(v).__name__}")
+        raise BadBatch("samples.hist", f"must be {n} lists of {HIST_BINS} integer counts")
+    arr = arr.astype(np.int64, copy=False)
+    if (low := arr < 0).any():
+        raise BadBatch(f"samples.hist[{int(np.argwhere(low)[0][0])}]", "counts must be ≥ 0")
+    return arr
+
+
+def _producer_stats(raw: Any) -> dict[str, int]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise BadBatch("producer_stats", "must be an object")
+    out: dict[str, int] = {}
+    for k, v in raw.items():
+        if k not in PRODUCER_STATS:
+            raise BadBatch(f"producer_stats.{k}", f"unknown field (known: {', '.join(PRODUCER_STATS)})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise BadBatch(f"producer_stats.{k}", "must be a non-negative integer")
+        out[k] = v
+    return out
+
+
+def parse_batch(body: Any) -> ValidBatch:
+    """Validate a decoded batch (a mapping) and return its columns."""
+    if not isinstance(body, Mapping):
+        raise BadBatch("body", "must be an object with producer, seq and samples")
+    producer = body.get("producer")
+    if not isinstance(producer, str) or not 1 <= len(producer) <= 64:
+        raise BadBatch("producer", "must be a string of 1 to 64 characters")
+    seq = body.get("seq")
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= _I64_MAX:
+        raise BadBatch("seq", "must be a non-negative integer")
+    content_hash = body.get("content_hash")
+    if content_hash is not None and (not isinstance(content_hash, str) or len(content_hash) > 128):
+        raise BadBatch("content_hash", "must be a string of at most 128 characters")
+    for key in body:
+        if key not in {"producer", "seq", "samples", "content_hash", "producer_stats"}:
+            raise BadBatch(str(key), "unknown field")
+    stats = _producer_stats(body.get("producer_stats"))
+    raw = body.get("samples")
+    if not isinstance(raw, Mapping):
+        raise BadBatch("samples", "must be an object mapping column names to lists")
+    for name in raw:
+        if name not in _BY_NAME:
+            raise BadBatch(f"samples.{name}", "unknown column")
+    n: int | None = None
+    for col in COLUMNS:
+        values = raw.get(col.name)
+        if values is None:
+            if col.required:
+                raise BadBatch(f"samples.{col.name}", "missing required column")
+            continue
+        if not isinstance(values, list):
+            raise BadBatch(f"samples.{col.name}", "must be a list")
+        if n is None:
+            n = len(values)
+        elif len(values) != n:
+            raise BadBatch(f"samples.{col.name}", f"has {len(values)} entries, expected {n}")
+    if not n:
+        raise BadBatch("samples", "batch holds no samples")
+    if n > MAX_SAMPLES:
+        raise BadBatch("samples", f"{n} samples, at most {MAX_SAMPLES} per batch")
+
+    cols: dict[str, Any] = {}
+    for col in COLUMNS:
+        values = raw.get(col.name)
+        if values is None:
+            continue
+        if col.name == "hist":
+            cols["hist"] = _hist_column(values, n)
+        elif col.kind == "int" and col.nullable:
+            cols[col.name] = _int_column(col.name, [0 if v is None else v for v in values], col)
+        elif col.kind == "int":
+            cols[col.name] = _int_column(col.name, values, col)
+        elif col.kind == "float":
+            cols[col.name] = _float_column(col.name, values, col)
+        else:
+            cols[col.name] = _str_column(col.name, values)
+    for name in ("oracle_cand_err", "oracle_base_err", "cand_us", "base_us"):
+        cols.setdefault(name, np.full(n, np.nan))
+    cols.setdefault("new_requests", np.zeros(n, dtype=np.int64))
+    cols.setdefault("error", [None] * n)
+    cols.setdefault("mode", [None] * n)
+    canonical = msgpack.packb({k: raw[k] for k in sorted(raw)}, use_bin_type=True)
+    return ValidBatch(
+        producer=producer,
+        seq=seq,
+        n=n,
+        cols=cols,
+        digest=samples_digest(canonical),
+        content_hash=content_hash,
+        producer_stats=stats,
+    )

@@ -1,0 +1,66 @@
+"""FastAPI dependencies, all in one place: the app state, the store, auth, body limits."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy import Engine
+
+from shadowd.collector.errors import ApiError
+from shadowd.collector.metrics import CollectorMetrics
+from shadowd.collector.settings import CollectorSettings
+from shadowd.collector.store import Store
+from shadowd.judge.policy import Policy
+
+__all__ = ["AppState", "Authorized", "State", "get_state", "read_body", "require_token"]
+
+
+@dataclass
+class AppState:
+    settings: CollectorSettings
+    engine: Engine
+    store: Store
+    policy: Policy
+    metrics: CollectorMetrics
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.shadowd
+    return state
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+def require_token(request: Request, state: State) -> None:
+    """Bearer-token check when a token is configured: 401 without one, 403 with a wrong one."""
+    token = state.settings.token
+    if not token:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, "authorization", "a bearer token is required", {"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(403, "authorization", "the bearer token is not valid")
+
+
+Authorized = Depends(require_token)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body", f"{declared} bytes is over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body", f"body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,71 @@
+"""The one place that maps exceptions to HTTP answers. Every 4xx body names what was wrong:
+``{"detail": {"field": "...", "error": "..."}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shadowd.collector.batch import BadBatch
+from shadowd.collector.store import Conflict, UnknownRun
+
+__all__ = ["ApiError", "install_error_handlers"]
+
+log = logging.getLogger("shadowd.collector")
+
+
+class ApiError(Exception):
+    """An error answer: HTTP ``status``, the ``field`` at fault and a message."""
+
+    def __init__(self, status: int, field: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+        self.message = message
+        self.headers = headers
+
+
+def _answer(request: Request, status: int, field: str, message: str,
+            headers: dict[str, str] | None = None) -> JSONResponse:
+    if 400 <= status < 500 and request.url.path.endswith("/samples"):
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.rejected.labels(str(status)).inc()
+    return JSONResponse({"detail": {"field": field, "error": message}}, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return _answer(request, exc.status, exc.field, exc.message, exc.headers)
+
+    @app.exception_handler(BadBatch)
+    async def _bad(request: Request, exc: BadBatch) -> JSONResponse:
+        return _answer(request, 422, exc.field, exc.message)
+
+    @app.exception_handler(UnknownRun)
+    async def _unknown(request: Request, exc: UnknownRun) -> JSONResponse:
+        return _answer(request, 404, "run_id", str(exc))
+
+    @app.exception_handler(Conflict)
+    async def _conflict(request: Request, exc: Conflict) -> JSONResponse:
+        return _answer(request, 409, exc.field, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        return _answer(request, 422, ".".join(loc) or "body", str(first.get("msg")))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _answer(request, exc.status_code, "request", str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse({"detail": {"field": "server", "error": type(exc).__name__}}, status_code=500)

@@ -1,0 +1,115 @@
+"""Reads: runs, producers, per-layer summaries and judge snapshots — all from rollups."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import Engine, func, select
+
+from shadowd.collector import tables as t
+from shadowd.collector.store import UnknownRun
+from shadowd.judge.inputs import RunRollups, StepCounts
+
+__all__ = ["layer_summary", "list_runs", "load_rollups", "producers_of", "run_row", "runs_for_metrics"]
+
+
+def list_runs(engine: Engine, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(t.runs).order_by(t.runs.c.id.desc()).limit(limit).offset(offset))
+        return [dict(r) for r in rows.mappings()]
+
+
+def run_row(engine: Engine, run_id: int | None) -> dict[str, Any]:
+    """The run ``run_id``, or the latest run when None."""
+    with engine.connect() as conn:
+        q = select(t.runs)
+        q = q.where(t.runs.c.id == run_id) if run_id is not None else q.order_by(t.runs.c.id.desc()).limit(1)
+        row = conn.execute(q).mappings().first()
+    if row is None:
+        raise UnknownRun(run_id if run_id is not None else "latest")
+    return dict(row)
+
+
+def producers_of(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(t.producers).where(t.producers.c.run_id == run_id).order_by(t.producers.c.rank))
+        return [dict(r) for r in rows.mappings()]
+
+
+def _cells(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(t.cells).where(t.cells.c.run_id == run_id))
+        return [dict(r) for r in rows.mappings()]
+
+
+def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    """Per-layer summary of a run, folded from its (layer, bucket) cells."""
+    acc: dict[int, dict[str, Any]] = {}
+    for c in _cells(engine, run_id):
+        a = acc.setdefault(c["layer"], defaultdict(float))
+        for k in ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "n_timed",
+                  "sum_rel_l2", "sum_max_abs", "sum_cos_diff", "sum_cand_us", "sum_base_us", "n_oracle"):
+            a[k] += c[k]
+        for k in ("max_rel_l2", "max_max_abs", "max_cos_diff", "max_scaled", "max_max_rel", "max_oracle_ratio"):
+            a[k] = max(a[k], c[k])
+        a["buckets"] += 1
+    out = []
+    for layer in sorted(acc):
+        a = acc[layer]
+        n = a["n"] or 1
+        out.append({
+            "layer": layer,
+            "samples": int(a["n"]),
+            "buckets": int(a["buckets"]),
+            "exceeded": int(a["n_exceed"]),
+            "errors": int(a["n_error"]),
+            "cand_nonfinite": int(a["n_cand_nonfinite"]),
+            "base_nonfinite": int(a["n_base_nonfinite"]),
+            "nan_stats": int(a["n_nan_stat"]),
+            "oracle_samples": int(a["n_oracle"]),
+            "mean_rel_l2": a["sum_rel_l2"] / n,
+            "max_rel_l2": a["max_rel_l2"],
+            "mean_max_abs": a["sum_max_abs"] / n,
+            "max_max_abs": a["max_max_abs"],
+            "max_scaled_max_abs": a["max_scaled"],
+            "mean_cos_diff": a["sum_cos_diff"] / n,
+            "max_cos_diff": a["max_cos_diff"],
+            "max_oracle_ratio": a["max_oracle_ratio"],
+            "cand_us": a["sum_cand_us"] / a["n_timed"] if a["n_timed"] else None,
+            "base_us": a["sum_base_us"] / a["n_timed"] if a["n_timed"] else None,
+        })
+    return out
+
+
+def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s: float = 900.0,
+                 history: list[dict[str, Any]] | None = None) -> RunRollups:
+    """A judge snapshot of run ``run_id`` (rollup tables only)."""
+    now = time.time() if now is None else now
+    run = run_row(engine, run_id)
+    with engine.connect() as conn:
+        slots = [dict(r) for r in conn.execute(select(t.timeslots).where(t.timeslots.c.run_id == run_id)).mappings()]
+        hists: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)
+        for r in conn.execute(select(t.hists.c.layer, t.hists.c.stat, t.hists.c.bin, t.hists.c["count"])
+                              .where(t.hists.c.run_id == run_id)):
+            hists[(r[0], r[1])][r[2]] = int(r[3])
+        s = t.steps.c
+        total, exceeded = conn.execute(
+            select(func.count(), func.coalesce(func.sum(s.exceeded), 0)).where(s.run_id == run_id)
+        ).one()
+        last = run["last_sample_ts"] or now
+        recent_total, recent_exc = conn.execute(
+            select(func.count(), func.coalesce(func.sum(s.exceeded), 0))
+            .where((s.run_id == run_id) & (s.first_ts >= last - recent_s))
+        ).one()
+    steps = StepCounts(int(total), int(exceeded), run["policy_hash"], int(recent_total), int(recent_exc))
+    return RunRollups(run=run, cells=_cells(engine, run_id), slots=slots, hists=dict(hists), steps=steps,
+                      now=now, history=history or [])
+
+
+def runs_for_metrics(engine: Engine, since: float) -> list[dict[str, Any]]:
+    """Runs with an ingest after ``since`` (the ones /metrics exports)."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(t.runs).where(t.runs.c.last_ingest_at >= since))
+        return [dict(r) for r in rows.mappings()]

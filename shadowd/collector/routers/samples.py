@@ -1,0 +1,49 @@
+"""Sample ingest: ``POST /v1/runs/{run_id}/samples`` (msgpack or JSON columnar batches)."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from shadowd.collector.batch import parse_batch
+from shadowd.collector.deps import Authorized, State, read_body
+from shadowd.collector.errors import ApiError
+from shadowd.collector.schemas import IngestAnswer
+from shadowd.wire import MSGPACK, decode_msgpack
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/runs", tags=["samples"], dependencies=[Authorized])
+
+
+def _decode(body: bytes, content_type: str) -> object:
+    if content_type.startswith(MSGPACK) or content_type.startswith("application/x-msgpack"):
+        try:
+            return decode_msgpack(body)
+        except Exception as exc:
+            raise ApiError(400, "body", f"not valid msgpack: {exc}") from None
+    if content_type.startswith("application/json") or not content_type:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, "body", f"not valid JSON: {exc}") from None
+    raise ApiError(415, "content-type", f"{content_type!r} is not application/msgpack or application/json")
+
+
+@router.post("/{run_id}/samples")
+async def ingest(run_id: int, request: Request, state: State) -> IngestAnswer:
+    """Store one batch (one transaction). A re-delivered batch is stored once and answered as duplicate."""
+    body = await read_body(request, state.settings.max_body_bytes)
+    decoded = _decode(body, request.headers.get("content-type", ""))
+
+    batch = await run_in_threadpool(parse_batch, decoded)
+    result = await run_in_threadpool(state.store.ingest, run_id, batch)
+    m = state.metrics
+    if result.duplicate:
+        m.duplicates.labels(str(run_id)).inc()
+    elif result.deltas is not None:
+        c = batch.cols
+        m.observe_ingest(run_id, result.accepted, c["layer"], result.deltas.exceeded, c["cand_nonfinite"] > 0)
+    return IngestAnswer(run_id=run_id, accepted=result.accepted, duplicate=result.duplicate,
+                        mode_override=result.mode_override)

@@ -1,0 +1,106 @@
+"""Request and response bodies of the read/write API (pydantic)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Impl", "IngestAnswer", "ModeChange", "RunCreate", "RunOut"]
+
+_name = Field(min_length=1, max_length=200)
+
+
+class Impl(BaseModel):
+    """An implementation under comparison: a name and a fingerprint (build hash + config)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = _name
+    fingerprint: str = _name
+
+
+class RunCreate(BaseModel):
+    """``POST /v1/runs``: one shadow session. Idempotent on ``run_key``."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_key: str = Field(min_length=1, max_length=200, description="client-chosen key; same key, same run")
+    model: str = _name
+    num_layers: int = Field(ge=1, le=100_000)
+    tp_size: int = Field(1, ge=1, le=4096)
+    gpu_name: str = Field("", max_length=200)
+    gpu_arch: str = Field("", max_length=50)
+    driver: str = Field("", max_length=100)
+    sglang_version: str = Field("", max_length=50)
+    candidate: Impl
+    baseline: Impl
+    labels: dict[str, str] = Field(default_factory=dict)
+    started_at: float | None = Field(None, ge=0, description="unix seconds; the server's clock when omitted")
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "run_key": self.run_key, "model": self.model, "num_layers": self.num_layers,
+            "tp_size": self.tp_size, "gpu_name": self.gpu_name, "gpu_arch": self.gpu_arch,
+            "driver": self.driver, "sglang_version": self.sglang_version,
+            "candidate_name": self.candidate.name, "candidate_fingerprint": self.candidate.fingerprint,
+            "baseline_name": self.baseline.name, "baseline_fingerprint": self.baseline.fingerprint,
+            "labels": self.labels, "started_at": self.started_at,
+        }
+
+
+class RunOut(BaseModel):
+    id: int
+    run_key: str
+    model: str
+    num_layers: int
+    tp_size: int
+    gpu_name: str
+    gpu_arch: str
+    driver: str
+    sglang_version: str
+    candidate: Impl
+    baseline: Impl
+    labels: dict[str, str]
+    started_at: float
+    mode_override: str | None
+    samples: int
+    batches: int
+    duplicate_batches: int
+    candidate_errors: int
+    cand_nonfinite: int
+    base_nonfinite: int
+    exceeded_calls: int
+    requests: int
+    oracle_samples: int
+    first_sample_ts: float | None
+    last_sample_ts: float | None
+    last_ingest_at: float | None
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> RunOut:
+        return cls(
+            id=row["id"], run_key=row["run_key"], model=row["model"], num_layers=row["num_layers"],
+            tp_size=row["tp_size"], gpu_name=row["gpu_name"], gpu_arch=row["gpu_arch"], driver=row["driver"],
+            sglang_version=row["sglang_version"],
+            candidate=Impl(name=row["candidate_name"], fingerprint=row["candidate_fingerprint"]),
+            baseline=Impl(name=row["baseline_name"], fingerprint=row["baseline_fingerprint"]),
+            labels=row["labels"] or {}, started_at=row["started_at"], mode_override=row["mode_override"],
+            samples=row["n_samples"], batches=row["n_batches"], duplicate_batches=row["n_duplicates"],
+            candidate_errors=row["n_errors"], cand_nonfinite=row["n_cand_nonfinite"],
+            base_nonfinite=row["n_base_nonfinite"], exceeded_calls=row["n_exceed"], requests=row["n_requests"],
+            oracle_samples=row["n_oracle"], first_sample_ts=row["first_sample_ts"],
+            last_sample_ts=row["last_sample_ts"], last_ingest_at=row["last_ingest_at"],
+        )
+
+
+class ModeChange(BaseModel):
+    """``PUT /v1/runs/{id}/mode``: the kill switch. ``null`` clears the override."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["validate", "off"] | None
+
+
+class IngestAnswer(BaseModel):
+    run_id: int
+    accepted: int
+    duplicate: bool
+    mode_override: str | None

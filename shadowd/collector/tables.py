@@ -1,0 +1,236 @@
+"""The collector's schema (SQLAlchemy Core). Changes go through Alembic (migrations/) only.
+
+Raw ``samples`` are kept for a retention period; everything the read API, the metrics and
+the judge use lives in the rollup tables, which ingest keeps current with atomic
+increments (``INSERT ... ON CONFLICT DO UPDATE SET n = n + excluded.n``), so two
+collectors writing into one PostgreSQL lose nothing and no summary scans raw samples.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+__all__ = [
+    "CELL_KEY",
+    "batches",
+    "cells",
+    "evaluations",
+    "hists",
+    "metadata",
+    "producers",
+    "runs",
+    "samples",
+    "steps",
+    "timeslots",
+]
+
+metadata = MetaData()
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _counter(name: str) -> Column[int]:
+    return Column(name, BigInteger, nullable=False, server_default="0")
+
+
+def _fmax(name: str) -> Column[float]:
+    return Column(name, Float, nullable=False, server_default="0")
+
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("run_key", String(200), nullable=False, unique=True),
+    Column("model", String(200), nullable=False),
+    Column("num_layers", Integer, nullable=False),
+    Column("tp_size", Integer, nullable=False),
+    Column("gpu_name", String(200), nullable=False, server_default=""),
+    Column("gpu_arch", String(50), nullable=False, server_default=""),
+    Column("driver", String(100), nullable=False, server_default=""),
+    Column("sglang_version", String(50), nullable=False, server_default=""),
+    Column("candidate_name", String(200), nullable=False),
+    Column("candidate_fingerprint", String(200), nullable=False),
+    Column("baseline_name", String(200), nullable=False),
+    Column("baseline_fingerprint", String(200), nullable=False),
+    Column("labels", JSON, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("created_at", Float, nullable=False),
+    # the kill switch: NULL (no override), "validate" or "off"; producers pick it up
+    Column("mode_override", String(16), nullable=True),
+    Column("policy_hash", String(64), nullable=False, server_default=""),
+    _counter("n_samples"),
+    _counter("n_batches"),
+    _counter("n_duplicates"),
+    _counter("n_errors"),
+    _counter("n_cand_nonfinite"),
+    _counter("n_base_nonfinite"),
+    _counter("n_exceed"),
+    _counter("n_requests"),
+    _counter("n_oracle"),
+    Column("first_sample_ts", Float, nullable=True),
+    Column("last_sample_ts", Float, nullable=True),
+    Column("last_ingest_at", Float, nullable=True),
+)
+
+producers = Table(
+    "producers",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("producer", String(64), primary_key=True),
+    Column("rank", Integer, nullable=False, server_default="0"),
+    Column("max_seq", BigInteger, nullable=False),
+    _counter("batches"),
+    _counter("gaps"),
+    _counter("samples"),
+    Column("first_seen", Float, nullable=False),
+    Column("last_seen", Float, nullable=False),
+    _counter("spool_depth"),
+    _counter("dropped"),
+    _counter("fallback"),
+    _counter("disabled"),
+    _counter("device_errors"),
+)
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("producer", String(64), primary_key=True),
+    Column("seq", BigInteger, primary_key=True),
+    Column("digest", String(64), nullable=False),
+    Column("n_samples", Integer, nullable=False),
+    Column("received_at", Float, nullable=False),
+)
+
+samples = Table(
+    "samples",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("producer", String(64), nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("layer", Integer, nullable=False),
+    Column("step", BigInteger, nullable=False),
+    Column("call", BigInteger, nullable=False),
+    Column("ts", Float, nullable=False),
+    Column("batch_size", Integer, nullable=False),
+    Column("draft_tokens", Integer, nullable=False),
+    Column("prefix_len", Integer, nullable=False),
+    Column("heads", Integer, nullable=False),
+    Column("numel", BigInteger, nullable=False),
+    # statistics are nullable: SQLite stores NaN as NULL (the rollups count NaN separately)
+    Column("max_abs", Float),
+    Column("mean_abs", Float),
+    Column("max_rel", Float),
+    Column("rel_l2", Float),
+    Column("cos_diff", Float),
+    Column("out_scale", Float),
+    Column("nan_base", BigInteger, nullable=False),
+    Column("inf_base", BigInteger, nullable=False),
+    Column("nan_cand", BigInteger, nullable=False),
+    Column("inf_cand", BigInteger, nullable=False),
+    Column("cand_nonfinite", BigInteger, nullable=False),
+    Column("base_nonfinite", BigInteger, nullable=False),
+    Column("hist", LargeBinary, nullable=False),  # HIST_BINS little-endian int64 counts
+    Column("error", String(200)),
+    Column("mode", String(16)),
+    Column("oracle_cand_err", Float),
+    Column("oracle_base_err", Float),
+    Column("cand_us", Float),
+    Column("base_us", Float),
+    Column("new_requests", Integer),
+    Column("exceeded", Integer, nullable=False),
+    Index("ix_samples_ts", "ts"),
+)
+
+# shape-bucket columns shared by ``cells``
+CELL_KEY = ("bs_bucket", "t_bucket", "prefix_bucket", "heads")
+
+_cell_counters = (
+    "n",
+    "n_exceed",
+    "n_error",
+    "n_cand_nonfinite",
+    "n_base_nonfinite",
+    "n_nan_stat",
+    "numel",
+    "n_oracle",
+    "n_timed",
+)
+_cell_sums = ("sum_max_abs", "sum_rel_l2", "sum_cos_diff", "sum_scaled", "sum_cand_us", "sum_base_us")
+_cell_maxes = ("max_max_abs", "max_rel_l2", "max_cos_diff", "max_max_rel", "max_scaled",
+               "max_oracle_cand", "max_oracle_base", "max_oracle_ratio")
+
+cells = Table(
+    "rollup_cells",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("layer", Integer, primary_key=True),
+    *(Column(k, Integer, primary_key=True) for k in CELL_KEY),
+    *(_counter(c) for c in _cell_counters),
+    *(_fmax(c) for c in _cell_sums),
+    *(_fmax(c) for c in _cell_maxes),
+    Column("first_ts", Float, nullable=False),
+    Column("last_ts", Float, nullable=False),
+)
+
+timeslots = Table(
+    "rollup_time",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("layer", Integer, primary_key=True),
+    Column("t", BigInteger, primary_key=True),  # bucket start, unix seconds
+    *(_counter(c) for c in _cell_counters),
+    *(_fmax(c) for c in _cell_sums),
+    *(_fmax(c) for c in _cell_maxes),
+)
+
+# histograms of per-call statistics, quarter-octave bins (see rollups.stat_bins)
+hists = Table(
+    "rollup_hist",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("layer", Integer, primary_key=True),
+    Column("stat", String(16), primary_key=True),
+    Column("bin", Integer, primary_key=True),
+    _counter("count"),
+)
+
+steps = Table(
+    "rollup_steps",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    _counter("n_calls"),
+    Column("exceeded", Integer, nullable=False, server_default="0"),
+    Column("first_ts", Float, nullable=False),
+)
+
+evaluations = Table(
+    "evaluations",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("candidate_fingerprint", String(200), nullable=False),
+    Column("at", Float, nullable=False),
+    Column("verdict", String(32), nullable=False),
+    Column("passing", Integer, nullable=False),  # this evaluation's criteria all passed
+    Column("policy_hash", String(64), nullable=False),
+    Column("report", Text, nullable=False),  # JSON
+    Index("ix_evaluations_run_at", "run_id", "at"),
+)

@@ -1,0 +1,56 @@
+"""What the judge reads: a snapshot of one run's rollups (plain data, no database).
+
+The collector builds a :class:`RunRollups` from its rollup tables (never from raw samples)
+and hands it to the judge's pure functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RunRollups", "StepCounts"]
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Verify steps of a run: all, and those in which any call exceeded under ``policy_hash``.
+
+    ``policy_hash`` is the policy the per-call ``exceeded`` flags were computed under at
+    ingest ("mixed" when the policy changed during the run): the count is exact only when
+    it equals the hash of the policy being judged.
+    """
+
+    total: int
+    exceeded: int
+    policy_hash: str
+    recent_total: int = 0
+    recent_exceeded: int = 0
+
+
+@dataclass(frozen=True)
+class RunRollups:
+    """One run's rollups.
+
+    - ``run``: the run row (id, run_key, num_layers, tp_size, candidate_fingerprint, n_samples,
+      n_errors, n_cand_nonfinite, n_base_nonfinite, n_requests, n_oracle, first_sample_ts,
+      last_sample_ts, ...).
+    - ``cells``: rows of rollup_cells — per (layer, bs_bucket, t_bucket, prefix_bucket, heads):
+      counters n, n_exceed, n_error, n_cand_nonfinite, n_base_nonfinite, n_nan_stat, numel,
+      n_oracle, n_timed; sums sum_max_abs, sum_rel_l2, sum_cos_diff, sum_scaled, sum_cand_us,
+      sum_base_us; maxima max_max_abs, max_rel_l2, max_cos_diff, max_max_rel, max_scaled,
+      max_oracle_cand, max_oracle_base, max_oracle_ratio; first_ts, last_ts.
+    - ``slots``: rows of rollup_time — per (layer, t) with the same counters/sums/maxima.
+    - ``hists``: {(layer, stat): {bin: count}} with stat in max_abs, rel_l2, cos_diff, scaled,
+      oracle_ratio (quarter-octave bins, see shadowd.collector.rollups.stat_bins).
+    - ``steps``: verify-step counts.
+    - ``now``: the evaluation time (unix seconds).
+    """
+
+    run: dict[str, Any]
+    cells: list[dict[str, Any]]
+    slots: list[dict[str, Any]]
+    hists: dict[tuple[int, str], dict[int, int]]
+    steps: StepCounts
+    now: float
+    history: list[dict[str, Any]] = field(default_factory=list)  # earlier stored evaluations, oldest first

@@ -1,0 +1,118 @@
+"""The readiness policy: tolerances and statistical knobs, with defaults per output dtype.
+
+A policy is read from a TOML or JSON file (``SHADOWD_POLICY_FILE``) or built from the
+defaults of the output dtype (bf16 unless the file says otherwise). Its hash is stored with
+every evaluation and with each run's exact exceeding-step count, so a changed policy is
+visible and old counts are never silently reused.
+
+Why the bf16 defaults are what they are: one bf16 rounding of the output gives a relative
+error up to 2^-9 per element; two different correct kernels differ by about the sum of their
+two roundings plus fp32 accumulation-order noise. SGLang's Triton path measures rel-L2
+≈ 2e-3 against an fp32 oracle (../shared/CONTEXT.md §4), so candidate-vs-baseline rel-L2 of
+correct kernels lands near 3e-3. The defaults leave a factor ~5 of headroom: rel-L2 ≤ 1.6e-2
+(torch.testing's bf16 rtol), cosine difference ≤ 1.28e-4 (= rel-L2² / 2 at that bound), and
+max-abs ≤ 2^-5 of the output's scale (8 bf16 ulps at the largest element).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["DTYPE_DEFAULTS", "Policy", "load_policy"]
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+
+#: tolerances per output dtype: rel-L2, cosine difference, max-abs / output scale, ulp (relative)
+DTYPE_DEFAULTS: dict[str, dict[str, float]] = {
+    "bf16": {"rel_l2_max": 1.6e-2, "cos_diff_max": 1.28e-4, "scaled_max_abs_max": 2.0**-5, "ulp": 2.0**-8},
+    "fp16": {"rel_l2_max": 1e-3, "cos_diff_max": 5e-7, "scaled_max_abs_max": 2.0**-8, "ulp": 2.0**-11},
+    "fp32": {"rel_l2_max": 1.3e-6, "cos_diff_max": 1e-12, "scaled_max_abs_max": 2.0**-18, "ulp": 2.0**-24},
+}
+
+
+class Policy(BaseModel):
+    """Readiness policy. Unset tolerances take the defaults of ``dtype``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Dtype = "bf16"
+    rel_l2_max: float | None = Field(None, gt=0, description="per-call rel-L2 tolerance")
+    cos_diff_max: float | None = Field(None, gt=0, description="per-call cosine-difference tolerance")
+    scaled_max_abs_max: float | None = Field(
+        None, gt=0, description="per-call max-abs divided by the output's scale (max |baseline|)"
+    )
+    oracle_k: float = Field(2.0, gt=0, description="candidate-vs-oracle error ≤ k × baseline's + ulp floor")
+    target_rate: float = Field(1e-4, gt=0, lt=1, description="largest acceptable rate of exceeding steps")
+    confidence: float = Field(0.99, gt=0.5, lt=1, description="confidence of the exact binomial interval")
+    min_requests: int = Field(1000, ge=0, description="distinct requests before READY")
+    min_span_s: float = Field(3600.0, ge=0, description="traffic time span before READY, seconds")
+    min_cell_samples: int = Field(100, ge=1, description="samples per layer and per shape bucket")
+    drift_window_s: float = Field(900.0, gt=0, description="recent window compared with history")
+    drift_ratio: float = Field(2.0, gt=1, description="recent mean error may not exceed history × ratio")
+    drift_min_samples: int = Field(200, ge=1, description="samples in each side before drift is judged")
+    hysteresis_k: int = Field(4, ge=1, description="consecutive passing evaluations before READY")
+    hysteresis_minutes: float = Field(30.0, ge=0, description="span those evaluations must cover")
+
+    def tol(self, name: str) -> float:
+        """The effective tolerance ``name`` (explicit value, else the dtype default)."""
+        value = getattr(self, name, None)
+        return float(value) if value is not None else DTYPE_DEFAULTS[self.dtype][name]
+
+    @property
+    def ulp(self) -> float:
+        return DTYPE_DEFAULTS[self.dtype]["ulp"]
+
+    def effective(self) -> dict[str, Any]:
+        """All knobs with the dtype defaults filled in (what reports show)."""
+        out = self.model_dump()
+        for name in ("rel_l2_max", "cos_diff_max", "scaled_max_abs_max"):
+            out[name] = self.tol(name)
+        out["ulp"] = self.ulp
+        return out
+
+    def hash(self) -> str:
+        """Stable identity of the tolerances that decide per-call exceedance."""
+        keys = ("dtype", "rel_l2_max", "cos_diff_max", "scaled_max_abs_max", "oracle_k")
+        eff = self.effective()
+        blob = json.dumps({k: eff[k] for k in keys}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def exceeds(self, cols: dict[str, np.ndarray]) -> np.ndarray:
+        """Per call: does it exceed tolerance or fail hard? (vectorised over a batch)
+
+        NaN in any error statistic counts as exceeding: NaN never passes.
+        """
+        rel = cols["rel_l2"]
+        cos = cols["cos_diff"]
+        max_abs = cols["max_abs"]
+        scale = cols["out_scale"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scaled = np.where(scale > 0, max_abs / np.where(scale > 0, scale, 1.0), max_abs)
+            bad = ~(rel <= self.tol("rel_l2_max"))
+            bad |= ~(cos <= self.tol("cos_diff_max"))
+            bad |= ~(scaled <= self.tol("scaled_max_abs_max"))
+            bad |= cols["cand_nonfinite"] > 0
+            bad |= cols["error_flag"]
+            oc = cols.get("oracle_cand_err")
+            ob = cols.get("oracle_base_err")
+            if oc is not None and ob is not None:
+                has = ~np.isnan(ob) & ~np.isnan(oc)  # both sides sampled against the oracle
+                floor = self.ulp * np.where(np.isfinite(scale), scale, 0.0)
+                bad |= has & ~(oc <= self.oracle_k * ob + floor)
+        return np.asarray(bad, dtype=bool)
+
+
+def load_policy(path: Path | None) -> Policy:
+    """Load a policy from TOML/JSON, or the bf16 defaults when ``path`` is None."""
+    if path is None:
+        return Policy()
+    text = Path(path).read_text()
+    data = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
+    return Policy.model_validate(data)

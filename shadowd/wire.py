@@ -1,0 +1,154 @@
+"""The wire format between producers (the hook) and the collector.
+
+A *sample* is the diff statistics of one shadowed call: one (run, rank, layer, call).
+Producers send samples in **columnar batches**: ``samples`` maps each column name to a
+list with one entry per sample, so a batch of thousands of samples is a handful of
+arrays rather than thousands of small objects (cheap to encode, cheap to validate).
+
+A batch is a mapping::
+
+    {
+      "producer": "4f9c...",        # random id per process: a restarted rank is a new producer
+      "seq": 17,                    # per-producer sequence number, 0, 1, 2, ...
+      "content_hash": "sha256...",  # optional; the collector computes its own digest
+      "producer_stats": {...},      # optional: spool depth, drops, fallback state (PRODUCER_STATS)
+      "samples": {"layer": [...], "rank": [...], ...},
+    }
+
+It travels as msgpack (``application/msgpack``, what the hook sends) or JSON.
+This module is imported by both sides: it depends on nothing but msgpack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+
+__all__ = [
+    "COLUMNS",
+    "HIST_BINS",
+    "HIST_EXP_MAX",
+    "HIST_EXP_MIN",
+    "MSGPACK",
+    "PRODUCER_STATS",
+    "Column",
+    "decode_msgpack",
+    "encode_msgpack",
+    "hist_bin_of",
+    "prefix_bucket_of",
+    "samples_digest",
+]
+
+MSGPACK = "application/msgpack"
+
+#: log2 histogram of |diff| per call: bin 0 counts exact zeros, bins 1..38 count
+#: |d| with floor(log2|d|) = HIST_EXP_MIN .. HIST_EXP_MAX (clipped at both ends),
+#: and the last bin counts non-finite differences.
+HIST_EXP_MIN = -32
+HIST_EXP_MAX = 5
+HIST_BINS = (HIST_EXP_MAX - HIST_EXP_MIN + 1) + 2
+
+Kind = Literal["int", "float", "str"]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a sample batch.
+
+    ``kind`` is the value type; ``required`` columns must be present; ``nullable``
+    columns may hold ``None`` (a float column stores it as NaN); ``nan_ok`` float columns
+    may carry NaN/Inf (an error statistic over a non-finite output is NaN, and the judge
+    treats that as a failure, so it must reach the collector intact); ``minimum`` is the
+    smallest allowed value of a number.
+    """
+
+    name: str
+    kind: Kind
+    doc: str
+    required: bool = True
+    nullable: bool = False
+    nan_ok: bool = False
+    minimum: float | None = 0
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("layer", "int", "layer id (0-based); must be below the run's num_layers"),
+    Column("rank", "int", "tensor-parallel rank; must be below the run's tp_size"),
+    Column("step", "int", "verify step id, equal on every rank and layer of one step"),
+    Column("call", "int", "per-producer call counter"),
+    Column("ts", "float", "unix time of the call, seconds", minimum=None),
+    Column("batch_size", "int", "requests in the verify batch (padding excluded)", minimum=1),
+    Column("draft_tokens", "int", "largest tree size T in the batch", minimum=1),
+    Column("prefix_len", "int", "longest prefix length L in the batch"),
+    Column("heads", "int", "query heads on this rank", minimum=1),
+    Column("numel", "int", "output elements compared"),
+    Column("max_abs", "float", "max |candidate - baseline|", nan_ok=True),
+    Column("mean_abs", "float", "mean |candidate - baseline|", nan_ok=True),
+    Column("max_rel", "float", "max |c - b| / max(|b|, tiny)", nan_ok=True),
+    Column("rel_l2", "float", "||c - b|| / ||b||", nan_ok=True),
+    Column("cos_diff", "float", "sum (c-b)^2 / sum (c^2 + b^2)", nan_ok=True),
+    Column("out_scale", "float", "max |baseline| over finite elements", nan_ok=True),
+    Column("nan_base", "int", "NaN elements in the baseline output"),
+    Column("inf_base", "int", "Inf elements in the baseline output"),
+    Column("nan_cand", "int", "NaN elements in the candidate output"),
+    Column("inf_cand", "int", "Inf elements in the candidate output"),
+    Column("cand_nonfinite", "int", "positions non-finite in the candidate only (a hard failure)"),
+    Column("base_nonfinite", "int", "positions non-finite in the baseline only (a baseline event)"),
+    Column("hist", "int", f"list of {HIST_BINS} counts: log2 histogram of |diff| (see HIST_*)"),
+    Column("error", "str", "candidate failure marker: exception:<Type>, shape, dtype, ...", required=False,
+           nullable=True),
+    Column("mode", "str", "hook mode of the call: validate or on", required=False, nullable=True),
+    Column("oracle_cand_err", "float", "max |candidate - fp32 oracle|", required=False, nullable=True,
+           nan_ok=True),
+    Column("oracle_base_err", "float", "max |baseline - fp32 oracle|", required=False, nullable=True,
+           nan_ok=True),
+    Column("cand_us", "float", "candidate device time, microseconds", required=False, nullable=True),
+    Column("base_us", "float", "baseline device time, microseconds", required=False, nullable=True),
+    Column("new_requests", "int", "requests first seen in this step (counted on rank 0, layer 0)",
+           required=False, nullable=True),
+)
+
+#: Optional per-batch producer health figures (all non-negative integers).
+PRODUCER_STATS: tuple[str, ...] = (
+    "spool_depth",     # batches waiting in the on-disk spool
+    "dropped",         # samples dropped since start (spool bound hit)
+    "fallback",        # 1 when an on-mode hook has fallen back to the baseline
+    "disabled",        # 1 when the candidate is disabled for the process
+    "device_errors",   # kernel-side error flags (out-of-range indices) seen
+)
+
+
+def hist_bin_of(abs_diff: float) -> int:
+    """The |diff| histogram bin of one value (the GPU kernel computes the same)."""
+    import math
+
+    if abs_diff == 0.0:
+        return 0
+    if not math.isfinite(abs_diff):
+        return HIST_BINS - 1
+    exp = math.floor(math.log2(abs_diff))
+    return 1 + min(max(exp, HIST_EXP_MIN), HIST_EXP_MAX) - HIST_EXP_MIN
+
+
+def prefix_bucket_of(prefix_len: int) -> int:
+    """Prefix-length bucket: 0 for L = 0, else ceil(log2(L + 1)); 200k tokens is bucket 18."""
+    return int(prefix_len).bit_length()
+
+
+def encode_msgpack(batch: Mapping[str, Any]) -> bytes:
+    """Encode a batch for the wire."""
+    return bytes(msgpack.packb(batch, use_bin_type=True))
+
+
+def decode_msgpack(body: bytes) -> Any:
+    """Decode a msgpack body (raises ValueError-derived errors on garbage)."""
+    return msgpack.unpackb(body, raw=False, strict_map_key=True)
+
+
+def samples_digest(canonical: bytes) -> str:
+    """The digest that identifies a batch's content for duplicate detection."""
+    return hashlib.sha256(canonical).hexdigest()

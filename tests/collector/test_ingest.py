@@ -1,0 +1,120 @@
+"""Ingest against SQLite and the real PostgreSQL: rows, rollups, duplicates, gaps, metrics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from sqlalchemy import create_engine, select
+
+from shadowd.collector import tables as t
+from tests.collector.helpers import count_rows, post_msgpack, register
+from tests.factories import make_batch, run_body
+
+
+def test_ingest_stores_rows_and_rollups(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4))
+    batch = make_batch(400, num_layers=4, seed=1)
+    r = post_msgpack(c, run_id, batch)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"run_id": run_id, "accepted": 400, "duplicate": False, "mode_override": None}
+
+    assert count_rows(db_url, t.samples, run_id=run_id) == 400
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        cells = [dict(x) for x in conn.execute(select(t.cells).where(t.cells.c.run_id == run_id)).mappings()]
+        steps = conn.execute(select(t.steps).where(t.steps.c.run_id == run_id)).all()
+    engine.dispose()
+    assert sum(x["n"] for x in cells) == 400
+    rel = np.array(batch["samples"]["rel_l2"])
+    assert math.isclose(sum(x["sum_rel_l2"] for x in cells), rel.sum(), rel_tol=1e-9)
+    assert math.isclose(max(x["max_rel_l2"] for x in cells), rel.max(), rel_tol=1e-12)
+    assert {x["layer"] for x in cells} == {0, 1, 2, 3}
+    assert len(steps) == 100 and all(s.n_calls == 4 for s in steps)
+
+    run = c.get(f"/v1/runs/{run_id}").json()
+    assert run["samples"] == 400 and run["batches"] == 1 and run["exceeded_calls"] == 0
+    layers = c.get(f"/v1/runs/{run_id}/layers").json()
+    assert [row["layer"] for row in layers["layers"]] == [0, 1, 2, 3]
+    assert layers["missing_layers"] == []
+    assert sum(row["samples"] for row in layers["layers"]) == 400
+
+
+def test_duplicate_batch_is_stored_once_and_conflict_is_409(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body())
+    batch = make_batch(40, seq=7)
+    assert post_msgpack(c, run_id, batch).json()["duplicate"] is False
+    again = post_msgpack(c, run_id, batch)
+    assert again.status_code == 200 and again.json()["duplicate"] is True and again.json()["accepted"] == 0
+    # the same batch as JSON is the same content: still a duplicate
+    assert c.post(f"/v1/runs/{run_id}/samples", json=batch).json()["duplicate"] is True
+    other = make_batch(40, seq=7, rel_l2=5e-3)
+    r = post_msgpack(c, run_id, other)
+    assert r.status_code == 409 and r.json()["detail"]["field"] == "seq"
+    assert count_rows(db_url, t.samples, run_id=run_id) == 40
+    assert c.get(f"/v1/runs/{run_id}").json()["duplicate_batches"] == 2
+
+
+def test_sequence_gaps_are_counted_and_filled(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body())
+    for seq in (0, 1, 4):
+        assert post_msgpack(c, run_id, make_batch(8, seq=seq, step0=seq * 10)).status_code == 200
+    prods = c.get(f"/v1/runs/{run_id}/producers").json()
+    assert prods[0]["gaps"] == 2 and prods[0]["max_seq"] == 4
+    post_msgpack(c, run_id, make_batch(8, seq=2, step0=20))
+    assert c.get(f"/v1/runs/{run_id}/producers").json()[0]["gaps"] == 1
+
+
+def test_exceeding_and_nonfinite_calls_reach_rollups_and_metrics(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=2))
+    n = 20
+    cand_nonfinite = [0] * n
+    cand_nonfinite[3] = 5  # layer 1, step 1
+    rel = [3e-3] * n
+    rel[6] = 0.5  # layer 0, step 3: beyond the bf16 tolerance
+    batch = make_batch(n, num_layers=2, cand_nonfinite=cand_nonfinite, rel_l2=rel)
+    batch["samples"]["rel_l2"] = rel
+    assert post_msgpack(c, run_id, batch).status_code == 200
+    run = c.get(f"/v1/runs/{run_id}").json()
+    assert run["cand_nonfinite"] == 1 and run["exceeded_calls"] == 2
+    reg = c.app.state.metrics.registry
+    assert reg.get_sample_value("shadowd_samples_total", {"run": str(run_id)}) == n
+    assert reg.get_sample_value("shadowd_batches_total", {"run": str(run_id)}) == 1
+    assert reg.get_sample_value("shadowd_nonfinite_mismatch_events_total", {"run": str(run_id), "layer": "1"}) == 1
+    assert reg.get_sample_value("shadowd_exceeded_calls_total", {"run": str(run_id), "layer": "0"}) == 1
+    # rollup-backed histogram: every call of layer 0 counted, the outlier above 2^-2
+    labels = {"run": str(run_id), "layer": "0"}
+    assert reg.get_sample_value("shadowd_call_rel_l2_count", labels) == n // 2
+    assert reg.get_sample_value("shadowd_call_rel_l2_bucket", {**labels, "le": "0.25"}) == n // 2 - 1
+    assert reg.get_sample_value("shadowd_layer_samples_total", labels) == n // 2
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        exc_steps = conn.execute(select(t.steps.c.step).where((t.steps.c.run_id == run_id)
+                                                              & (t.steps.c.exceeded == 1))).scalars().all()
+    engine.dispose()
+    assert sorted(exc_steps) == [1, 3]
+
+
+def test_nan_statistics_are_kept_and_counted(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=1))
+    batch = make_batch(4, num_layers=1)
+    batch["samples"]["rel_l2"][2] = float("nan")
+    r = post_msgpack(c, run_id, batch)
+    assert r.status_code == 200, r.text
+    layers = c.get(f"/v1/runs/{run_id}/layers").json()["layers"]
+    assert layers[0]["nan_stats"] == 1 and layers[0]["exceeded"] == 1
+
+
+def test_kill_switch_reaches_ingest_answers(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body())
+    assert c.put(f"/v1/runs/{run_id}/mode", json={"mode": "validate"}).json()["mode_override"] == "validate"
+    assert post_msgpack(c, run_id, make_batch(4)).json()["mode_override"] == "validate"
+    assert c.put(f"/v1/runs/{run_id}/mode", json={"mode": None}).json()["mode_override"] is None
+    bad = c.put(f"/v1/runs/{run_id}/mode", json={"mode": "on"})
+    assert bad.status_code == 422 and bad.json()["detail"]["field"] == "mode"

@@ -1,0 +1,123 @@
+"""Every kind of bad batch is a 4xx naming the field, and stores nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from shadowd.collector import tables as t
+from shadowd.wire import HIST_BINS
+from tests.collector.helpers import TABLES, count_rows, post_msgpack, register
+from tests.factories import make_batch, run_body
+
+
+def _nothing_stored(db_url: str) -> None:
+    for table in TABLES:
+        assert count_rows(db_url, table) == 0, table.name
+
+
+def _cases():
+    def with_value(col, i, value):
+        def make():
+            b = make_batch(6)
+            b["samples"][col][i] = value
+            return b
+        return make
+
+    def without(col):
+        def make():
+            b = make_batch(6)
+            del b["samples"][col]
+            return b
+        return make
+
+    def short(col):
+        def make():
+            b = make_batch(6)
+            b["samples"][col] = b["samples"][col][:-1]
+            return b
+        return make
+
+    def bad_hist():
+        b = make_batch(6)
+        b["samples"]["hist"][1] = [0] * (HIST_BINS - 1)
+        return b
+
+    return [
+        ("wrong type", with_value("max_abs", 2, "big"), 422, "samples.max_abs[2]"),
+        ("string count", with_value("nan_cand", 1, "3"), 422, "samples.nan_cand[1]"),
+        ("missing field", without("rel_l2"), 422, "samples.rel_l2"),
+        ("negative count", with_value("nan_base", 4, -1), 422, "samples.nan_base[4]"),
+        ("NaN where a count belongs", with_value("inf_cand", 3, float("nan")), 422, "samples.inf_cand[3]"),
+        ("float count", with_value("numel", 0, 1.5), 422, "samples.numel[0]"),
+        ("negative statistic", with_value("rel_l2", 5, -0.1), 422, "samples.rel_l2[5]"),
+        ("infinite timestamp", with_value("ts", 0, float("inf")), 422, "samples.ts[0]"),
+        ("layer beyond the run", with_value("layer", 2, 99), 422, "samples.layer[2]"),
+        ("rank beyond tp_size", with_value("rank", 0, 3), 422, "samples.rank[0]"),
+        ("ragged columns", short("heads"), 422, "samples.heads"),
+        ("bad histogram", bad_hist, 422, "samples.hist[1]"),
+        ("unknown column", lambda: {**make_batch(6), "samples": {**make_batch(6)["samples"], "maxabs": [0] * 6}},
+         422, "samples.maxabs"),
+        ("bad mode", lambda: make_batch(6, mode="shadow"), 422, "samples.mode[0]"),
+        ("no producer", lambda: {k: v for k, v in make_batch(6).items() if k != "producer"}, 422, "producer"),
+        ("negative seq", lambda: make_batch(6, seq=-1), 422, "seq"),
+        ("empty batch", lambda: {"producer": "p", "seq": 0, "samples": {c: [] for c in make_batch(1)["samples"]}},
+         422, "samples"),
+        ("bad producer stats", lambda: {**make_batch(6), "producer_stats": {"spool_depth": -2}}, 422,
+         "producer_stats.spool_depth"),
+    ]
+
+
+@pytest.mark.parametrize("name,make,status,field", _cases(), ids=[c[0] for c in _cases()])
+def test_bad_batch_names_the_field_and_stores_nothing(fresh_sqlite, make_client, name, make, status, field):
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=4, tp_size=1))
+    r = post_msgpack(c, run_id, make())
+    assert r.status_code == status, r.text
+    assert r.json()["detail"]["field"] == field
+    assert r.json()["detail"]["error"]
+    _nothing_stored(fresh_sqlite)
+    reg = c.app.state.metrics.registry
+    assert reg.get_sample_value("shadowd_rejected_batches_total", {"status": str(status)}) == 1
+
+
+def test_rejections_store_nothing_on_postgres(fresh_pg, make_client):
+    c = make_client(fresh_pg)
+    run_id = register(c, run_body(num_layers=4))
+    for _, make, status, field in _cases():
+        r = post_msgpack(c, run_id, make())
+        assert (r.status_code, r.json()["detail"]["field"]) == (status, field)
+    _nothing_stored(fresh_pg)
+
+
+def test_a_bad_sample_late_in_a_batch_rolls_back_the_whole_batch(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4))
+    b = make_batch(500)
+    b["samples"]["layer"][499] = 4
+    assert post_msgpack(c, run_id, b).status_code == 422
+    _nothing_stored(db_url)
+
+
+def test_unknown_run_oversized_body_and_garbage(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite, max_body_bytes=4096)
+    r = post_msgpack(c, 999, make_batch(2))
+    assert r.status_code == 404 and r.json()["detail"]["field"] == "run_id"
+    run_id = register(c, run_body())
+    big = post_msgpack(c, run_id, make_batch(200))
+    assert big.status_code == 413 and big.json()["detail"]["field"] == "body"
+    junk = c.post(f"/v1/runs/{run_id}/samples", content=b"\xc1\xc1", headers={"content-type": "application/msgpack"})
+    assert junk.status_code == 400 and junk.json()["detail"]["field"] == "body"
+    text = c.post(f"/v1/runs/{run_id}/samples", content=b"x", headers={"content-type": "text/plain"})
+    assert text.status_code == 415
+    _nothing_stored(fresh_sqlite)
+
+
+def test_bad_run_registration_names_the_field(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite)
+    r = c.post("/v1/runs", json=run_body(num_layers=0))
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "num_layers"
+    body = run_body()
+    del body["candidate"]
+    r = c.post("/v1/runs", json=body)
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "candidate"
+    assert count_rows(fresh_sqlite, t.runs) == 0

@@ -1,0 +1,85 @@
+"""Runs: idempotent registration, conflicts, auth, restarts, retention."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shadowd.collector import tables as t
+from shadowd.collector.app import create_app
+from shadowd.collector.db import SchemaOutdated
+from shadowd.collector.settings import CollectorSettings
+from tests.collector.helpers import count_rows, post_msgpack, register
+from tests.factories import make_batch, run_body
+
+
+def test_registration_is_idempotent_on_run_key(db_url, make_client):
+    c = make_client(db_url)
+    body = run_body("rk-1")
+    first = c.post("/v1/runs", json=body)
+    again = c.post("/v1/runs", json=body)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"]
+    clash = c.post("/v1/runs", json=run_body("rk-1", num_layers=61))
+    assert clash.status_code == 409 and clash.json()["detail"]["field"] == "num_layers"
+    new_build = c.post("/v1/runs", json=run_body("rk-1", candidate={"name": "k", "fingerprint": "other"}))
+    assert new_build.status_code == 409
+    assert [r["run_key"] for r in c.get("/v1/runs").json()] == ["rk-1"]
+
+
+def test_auth_when_a_token_is_configured(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite, token="s3cret")
+    assert c.post("/v1/runs", json=run_body()).status_code == 401
+    assert c.post("/v1/runs", json=run_body(), headers={"Authorization": "Bearer nope"}).status_code == 403
+    run_id = register(c, run_body(), Authorization="Bearer s3cret")
+    assert post_msgpack(c, run_id, make_batch(4)).status_code == 401
+    assert post_msgpack(c, run_id, make_batch(4), Authorization="Bearer s3cret").status_code == 200
+    assert c.get("/v1/runs").status_code == 401
+    assert c.get("/readiness").status_code == 401
+    assert c.get("/healthz").status_code == 200  # health checks need no token
+    assert count_rows(fresh_sqlite, t.samples) == 4
+
+
+def test_restarted_service_keeps_all_data(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body("keep"))
+    post_msgpack(c, run_id, make_batch(100, seq=0))
+    c.__exit__(None, None, None)
+    c2 = make_client(db_url, auto_upgrade=False)
+    run = c2.get(f"/v1/runs/{run_id}").json()
+    assert run["samples"] == 100 and run["run_key"] == "keep"
+    # the producer's next batch continues the sequence, and a re-delivery is still a duplicate
+    assert post_msgpack(c2, run_id, make_batch(100, seq=0)).json()["duplicate"] is True
+    assert post_msgpack(c2, run_id, make_batch(100, seq=1, step0=1000)).json()["accepted"] == 100
+    assert c2.get(f"/v1/runs/{run_id}").json()["samples"] == 200
+
+
+def test_server_refuses_an_outdated_schema(fresh_sqlite):
+    with pytest.raises(SchemaOutdated, match="shadowd db upgrade"):
+        create_app(CollectorSettings(db_url=fresh_sqlite))
+
+
+def test_retention_deletes_raw_samples_and_keeps_rollups(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=2))
+    now = time.time()
+    post_msgpack(c, run_id, make_batch(10, num_layers=2, seq=0, ts0=now - 10 * 86400))
+    post_msgpack(c, run_id, make_batch(10, num_layers=2, seq=1, ts0=now, step0=100))
+    store = c.app.state.shadowd.store
+    assert store.prune_samples(now - 86400) == 10
+    assert count_rows(fresh_sqlite, t.samples) == 10
+    layers = c.get(f"/v1/runs/{run_id}/layers").json()["layers"]
+    assert sum(row["samples"] for row in layers) == 20
+
+
+def test_healthz_and_first_readiness(db_url, make_client):
+    c = make_client(db_url)
+    assert c.get("/healthz").json()["status"] == "ok"
+    assert c.get("/readiness").status_code == 404
+    run_id = register(c, run_body())
+    r = c.get("/readiness", params={"run_id": run_id})
+    assert r.status_code == 503 and r.json()["verdict"] == "INSUFFICIENT_DATA"
+    post_msgpack(c, run_id, make_batch(8, cand_nonfinite=[0, 0, 3, 0, 0, 0, 0, 0]))
+    r = c.get("/readiness", params={"run_id": run_id})
+    assert r.status_code == 503 and r.json()["verdict"] == "NOT_READY"
