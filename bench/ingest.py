@@ -53,7 +53,7 @@ def free_port() -> int:
 
 def batches(n: int) -> list[dict]:
     per = LAYERS * STEPS_PER_BATCH
-    return [make_batch(per, num_layers=LAYERS, seq=i, step0=i * STEPS_PER_BATCH, producer="bench", seed=i,
+    return [make_batch(per, num_layers=LAYERS, packed_hist=True, seq=i, step0=i * STEPS_PER_BATCH, producer="bench", seed=i,
                        ts0=time.time()) for i in range(n)]
 
 

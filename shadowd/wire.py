@@ -98,7 +98,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("inf_cand", "int", "Inf elements in the candidate output"),
     Column("cand_nonfinite", "int", "positions non-finite in the candidate only (a hard failure)"),
     Column("base_nonfinite", "int", "positions non-finite in the baseline only (a baseline event)"),
-    Column("hist", "int", f"list of {HIST_BINS} counts: log2 histogram of |diff| (see HIST_*)"),
+    Column("hist", "int", f"list of {HIST_BINS} counts: log2 histogram of |diff| (see HIST_*); in msgpack also "
+           f"packed: one bin value of n × {HIST_BINS} little-endian int64"),
     Column("error", "str", "candidate failure marker: exception:<Type>, shape, dtype, ...", required=False,
            nullable=True),
     Column("mode", "str", "hook mode of the call: validate or on", required=False, nullable=True),

@@ -30,7 +30,7 @@ def run_body(key: str | None = None, num_layers: int = 4, tp_size: int = 1, **ov
     return body
 
 
-def make_batch(n: int, *, num_layers: int = 4, seq: int = 0, producer: str = "p-test", rank: int = 0,
+def make_batch(n: int, *, num_layers: int = 4, packed_hist: bool = False, seq: int = 0, producer: str = "p-test", rank: int = 0,
                step0: int = 0, ts0: float = 1.8e9, rel_l2: float = 3e-3, seed: int = 0,
                shapes: list[tuple[int, int, int, int]] | None = None, **columns: Any) -> dict[str, Any]:
     """A columnar batch of ``n`` in-tolerance samples: steps of ``num_layers`` calls each.
@@ -77,6 +77,8 @@ def make_batch(n: int, *, num_layers: int = 4, seq: int = 0, producer: str = "p-
         "hist": hist.tolist(),
         "new_requests": np.where(layer == 0, shp[:, 0], 0).tolist(),
     }
+    if packed_hist:
+        cols["hist"] = hist.astype("<i8").tobytes()
     for k, v in columns.items():
         cols[k] = v if isinstance(v, list) else [v] * n
     return {"producer": producer, "seq": seq, "samples": cols}

@@ -112,7 +112,15 @@ def _str_column(name: str, raw: list[Any]) -> list[str | None]:
     return list(raw)
 
 
-def _hist_column(raw: list[Any], n: int) -> np.ndarray:
+def _hist_column(raw: list[Any] | bytes, n: int) -> np.ndarray:
+    if isinstance(raw, bytes):  # packed form: n × HIST_BINS little-endian int64 (what the hook sends)
+        if len(raw) != n * HIST_BINS * 8:
+            raise BadBatch("samples.hist", f"packed histogram must be {n} × {HIST_BINS} int64 ({n * HIST_BINS * 8} "
+                                           f"bytes), got {len(raw)} bytes")
+        arr = np.frombuffer(raw, dtype="<i8").reshape(n, HIST_BINS)
+        if (low := arr < 0).any():
+            raise BadBatch(f"samples.hist[{int(np.argwhere(low)[0][0])}]", "counts must be ≥ 0")
+        return arr
     arr = _as_array(raw) if raw else np.zeros((0, HIST_BINS), dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.shape != (n, HIST_BINS):
         for i, row in enumerate(raw):
@@ -173,6 +181,8 @@ def parse_batch(body: Any) -> ValidBatch:
             if col.required:
                 raise BadBatch(f"samples.{col.name}", "missing required column")
             continue
+        if isinstance(values, bytes) and col.name == "hist":
+            continue  # packed; its length is checked against n below
         if not isinstance(values, list):
             raise BadBatch(f"samples.{col.name}", "must be a list")
         if n is None:

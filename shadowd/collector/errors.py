@@ -8,6 +8,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shadowd.collector.batch import BadBatch
@@ -64,6 +65,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _answer(request, exc.status_code, "request", str(exc.detail))
+
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        # the transaction was rolled back: nothing of the request is stored; the producer retries
+        log.warning("database error on %s: %s", request.url.path, type(exc.orig).__name__)
+        return JSONResponse({"detail": {"field": "database", "error": "database unavailable; retry later"}},
+                            status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:

@@ -46,10 +46,21 @@ def _pow2_ceil(x: np.ndarray) -> np.ndarray:
 
 
 def _group(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Unique key rows and the inverse index of each sample."""
-    stacked = np.stack(keys, axis=1)
-    uniq, inverse = np.unique(stacked, axis=0, return_inverse=True)
-    return uniq, inverse.reshape(-1)
+    """Unique key rows and the inverse index of each sample (keys packed into one int64)."""
+    packed = np.zeros(len(keys[0]), dtype=np.int64)
+    radix = []
+    for k in keys:
+        lo = int(k.min())
+        span = int(k.max()) - lo + 1
+        radix.append((lo, span))
+        packed = packed * span + (k - lo)
+    uniq, inverse = np.unique(packed, return_inverse=True)
+    cols = []
+    rest = uniq
+    for lo, span in reversed(radix):
+        cols.append(rest % span + lo)
+        rest = rest // span
+    return np.stack(cols[::-1], axis=1), inverse.reshape(-1)
 
 
 def _aggregate(inv: np.ndarray, g: int, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -135,19 +146,22 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
     last = np.full(len(uniq), -np.inf)
     np.fmin.at(first, inv, ts)
     np.fmax.at(last, inv, ts)
+    agg_lists = {k: v.tolist() for k, v in agg.items()}
+    first_l, last_l = first.tolist(), last.tolist()
     for i, key in enumerate(uniq.tolist()):
         row = {"run_id": run_id, "layer": key[0], "bs_bucket": key[1], "t_bucket": key[2],
-               "prefix_bucket": key[3], "heads": key[4], "first_ts": float(first[i]), "last_ts": float(last[i])}
-        row.update({k: v[i].item() for k, v in agg.items()})
+               "prefix_bucket": key[3], "heads": key[4], "first_ts": first_l[i], "last_ts": last_l[i]}
+        row.update({k: v[i] for k, v in agg_lists.items()})
         cells.append(row)
 
     slots: list[dict[str, Any]] = []
     tb = (np.floor(ts / time_bucket_s) * time_bucket_s).astype(np.int64)
     uniq, inv = _group([layer, tb])
     agg = _aggregate(inv, len(uniq), m)
+    agg_lists = {k: v.tolist() for k, v in agg.items()}
     for i, key in enumerate(uniq.tolist()):
         row = {"run_id": run_id, "layer": key[0], "t": key[1]}
-        row.update({k: v[i].item() for k, v in agg.items()})
+        row.update({k: v[i] for k, v in agg_lists.items()})
         slots.append(row)
 
     hists: list[dict[str, Any]] = []
@@ -161,8 +175,8 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
         sel = np.ones(b.n, dtype=bool) if mask is None else mask
         if not sel.any():
             continue
-        uniq, counts = np.unique(np.stack([layer[sel], stat_bins(values[sel])], axis=1), axis=0,
-                                 return_counts=True)
+        uniq, inv = _group([layer[sel], stat_bins(values[sel])])
+        counts = np.bincount(inv, minlength=len(uniq))
         for (lay, bn), cnt in zip(uniq.tolist(), counts.tolist(), strict=True):
             hists.append({"run_id": run_id, "layer": lay, "stat": stat, "bin": bn, "count": cnt})
 

@@ -79,6 +79,7 @@ class Store:
         self.time_bucket_s = time_bucket_s
         self.store_samples = store_samples
         self.dialect = engine.dialect.name
+        self._sql_cache: dict[tuple[Any, ...], str] = {}
 
     # ---- dialect helpers -------------------------------------------------------------------------
     def _insert(self, table: Table) -> Any:
@@ -92,14 +93,29 @@ class Store:
 
     def _upsert(self, conn: Connection, table: Table, rows: list[dict[str, Any]], keys: tuple[str, ...],
                 add: tuple[str, ...] = (), greatest: tuple[str, ...] = (), least: tuple[str, ...] = ()) -> None:
+        """INSERT ... ON CONFLICT DO UPDATE with increments, as one driver-level executemany."""
         if not rows:
             return
-        stmt = self._insert(table)
-        ex = stmt.excluded
-        set_: dict[str, Any] = {c: table.c[c] + ex[c] for c in add}
-        set_.update({c: self._greatest(table.c[c], ex[c]) for c in greatest})
-        set_.update({c: self._least(table.c[c], ex[c]) for c in least})
-        conn.execute(stmt.on_conflict_do_update(index_elements=list(keys), set_=set_), rows)
+        cols = list(rows[0])
+        sql = self._upsert_sql(table, tuple(cols), keys, add, greatest, least)
+        conn.exec_driver_sql(sql, [tuple(r[c] for c in cols) for r in rows])
+
+    def _upsert_sql(self, table: Table, cols: tuple[str, ...], keys: tuple[str, ...], add: tuple[str, ...],
+                    greatest: tuple[str, ...], least: tuple[str, ...]) -> str:
+        cache_key = (table.name, cols, keys, add, greatest, least)
+        sql = self._sql_cache.get(cache_key)
+        if sql is None:
+            pg = self.dialect == "postgresql"
+            mark = "%s" if pg else "?"
+            hi, lo = ("GREATEST", "LEAST") if pg else ("MAX", "MIN")
+            q = ", ".join(f'"{c}"' for c in cols)
+            sets = [f'"{c}" = {table.name}."{c}" + excluded."{c}"' for c in add]
+            sets += [f'"{c}" = {hi}({table.name}."{c}", excluded."{c}")' for c in greatest]
+            sets += [f'"{c}" = {lo}({table.name}."{c}", excluded."{c}")' for c in least]
+            sql = (f"INSERT INTO {table.name} ({q}) VALUES ({', '.join([mark] * len(cols))}) "
+                   f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(sets)}")
+            self._sql_cache[cache_key] = sql
+        return sql
 
     # ---- runs ------------------------------------------------------------------------------------
     def register_run(self, fields: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -139,6 +155,10 @@ class Store:
     def ingest(self, run_id: int, b: ValidBatch) -> IngestResult:
         """Store one batch atomically; see the module docstring."""
         now = time.time()
+        # everything that needs no database happens before the write transaction begins, so
+        # concurrent requests overlap their CPU work with another's writes
+        d = compute_deltas(run_id, b, self.policy, self.time_bucket_s)
+        rows = self._sample_rows(run_id, b, d.exceeded) if self.store_samples else []
         with self.engine.begin() as conn:
             run = conn.execute(
                 select(t.runs.c.num_layers, t.runs.c.tp_size, t.runs.c.policy_hash, t.runs.c.mode_override)
@@ -170,9 +190,8 @@ class Store:
                 conn.execute(update(t.runs).where(t.runs.c.id == run_id).values(n_duplicates=t.runs.c.n_duplicates + 1))
                 return IngestResult(run_id, 0, True, mode_override=mode_override)
 
-            d = compute_deltas(run_id, b, self.policy, self.time_bucket_s)
-            if self.store_samples:
-                self._insert_samples(conn, run_id, b, d.exceeded)
+            if rows:
+                self._insert_samples(conn, rows)
             self._upsert(conn, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
                          greatest=(*MAXES, "last_ts"), least=("first_ts",))
             self._upsert(conn, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
@@ -233,7 +252,7 @@ class Store:
         ).scalar_one()
         return int(got)
 
-    def _insert_samples(self, conn: Connection, run_id: int, b: ValidBatch, exceeded: np.ndarray) -> None:
+    def _sample_rows(self, run_id: int, b: ValidBatch, exceeded: np.ndarray) -> list[tuple[Any, ...]]:
         c = b.cols
         n = b.n
         hist = np.ascontiguousarray(c["hist"], dtype="<i8")
@@ -248,7 +267,9 @@ class Store:
             c["oracle_base_err"].tolist(), c["cand_us"].tolist(), c["base_us"].tolist(),
             c["new_requests"].tolist(), exceeded.astype(np.int64).tolist(),
         ]
-        rows = list(zip(*columns, strict=True))
+        return list(zip(*columns, strict=True))
+
+    def _insert_samples(self, conn: Connection, rows: list[tuple[Any, ...]]) -> None:
         names = ", ".join(f'"{name}"' for name in SAMPLE_COLUMNS)
         if self.dialect == "postgresql":
             raw = conn.connection.driver_connection

@@ -118,3 +118,20 @@ def test_kill_switch_reaches_ingest_answers(db_url, make_client):
     assert c.put(f"/v1/runs/{run_id}/mode", json={"mode": None}).json()["mode_override"] is None
     bad = c.put(f"/v1/runs/{run_id}/mode", json={"mode": "on"})
     assert bad.status_code == 422 and bad.json()["detail"]["field"] == "mode"
+
+
+def test_packed_histograms_equal_list_histograms(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=4))
+    assert post_msgpack(c, run_id, make_batch(40, seq=0, packed_hist=True)).status_code == 200
+    # the same samples as lists from another producer give identical rollups
+    assert post_msgpack(c, run_id, make_batch(40, seq=0, producer="p2")).status_code == 200
+    engine = create_engine(fresh_sqlite)
+    with engine.connect() as conn:
+        hists = conn.execute(select(t.samples.c.producer, t.samples.c.hist).order_by(t.samples.c.id)).all()
+    engine.dispose()
+    assert [h for p, h in hists if p == "p-test"] == [h for p, h in hists if p == "p2"]
+    bad = make_batch(40, seq=1, packed_hist=True)
+    bad["samples"]["hist"] = bad["samples"]["hist"][:-8]
+    r = post_msgpack(c, run_id, bad)
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "samples.hist"

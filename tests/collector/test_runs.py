@@ -83,3 +83,24 @@ def test_healthz_and_first_readiness(db_url, make_client):
     post_msgpack(c, run_id, make_batch(8, cand_nonfinite=[0, 0, 3, 0, 0, 0, 0, 0]))
     r = c.get("/readiness", params={"run_id": run_id})
     assert r.status_code == 503 and r.json()["verdict"] == "NOT_READY"
+
+
+def test_database_restart_loses_nothing(fresh_pg, make_client):
+    """Every server connection is killed (what a PostgreSQL restart does to the pool); ingest goes on."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    c = make_client(fresh_pg)
+    run_id = register(c, run_body())
+    assert post_msgpack(c, run_id, make_batch(50, seq=0)).status_code == 200
+    u = make_url(fresh_pg)
+    with psycopg.connect(host=u.host, port=u.port or 5432, user=u.username, dbname="postgres",
+                         autocommit=True) as admin:
+        killed = admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                               "WHERE datname = %s AND pid <> pg_backend_pid()", (u.database,)).fetchone()
+    assert killed is not None
+    r = post_msgpack(c, run_id, make_batch(50, seq=1, step0=100))
+    if r.status_code == 503:  # a request may meet the dead connection once; the producer retries
+        r = post_msgpack(c, run_id, make_batch(50, seq=1, step0=100))
+    assert r.status_code == 200 and r.json()["duplicate"] is False
+    assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 100
