@@ -53,8 +53,8 @@ def free_port() -> int:
 
 def batches(n: int) -> list[dict]:
     per = LAYERS * STEPS_PER_BATCH
-    return [make_batch(per, num_layers=LAYERS, packed_hist=True, seq=i, step0=i * STEPS_PER_BATCH, producer="bench", seed=i,
-                       ts0=time.time()) for i in range(n)]
+    return [make_batch(per, num_layers=LAYERS, packed_hist=True, seq=i, step0=i * STEPS_PER_BATCH,
+                       producer="bench", seed=i, ts0=time.time()) for i in range(n)]
 
 
 def rows_of(batch: dict, run_id: int) -> list[tuple]:
