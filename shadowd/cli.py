@@ -71,6 +71,20 @@ def serve(
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower())
 
 
+@app.command()
+def readiness(
+    url: Annotated[str, typer.Option(help="collector base URL", envvar="SHADOWD_URL")] = "http://127.0.0.1:8787",
+    run: Annotated[int | None, typer.Option("--run", help="run id (default: the latest run)")] = None,
+    wait: Annotated[float, typer.Option(help="poll until READY or this many seconds pass")] = 0.0,
+    token: Annotated[str | None, typer.Option(help="bearer token", envvar="SHADOWD_TOKEN")] = None,
+) -> None:
+    """Print the verdict and its reasons. Exit 0 READY, 1 NOT_READY, 2 INSUFFICIENT_DATA, 3 unreachable,
+    4 request refused (unknown run, bad token) — a pipeline gate."""
+    from shadowd.readiness_cli import readiness_command
+
+    raise typer.Exit(readiness_command(url, run, wait, token))
+
+
 @db_app.command("upgrade")
 def db_upgrade(db: DbOption = None, revision: str = "head") -> None:
     """Apply migrations (creates the schema on an empty database)."""

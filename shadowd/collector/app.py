@@ -17,8 +17,9 @@ from shadowd import __version__
 from shadowd.collector.db import check_schema, make_engine, upgrade
 from shadowd.collector.deps import AppState
 from shadowd.collector.errors import install_error_handlers
+from shadowd.collector.evaluator import Evaluator
 from shadowd.collector.metrics import CollectorMetrics, RollupExporter
-from shadowd.collector.routers import health, readiness, runs, samples
+from shadowd.collector.routers import health, readiness, runs, samples, status
 from shadowd.collector.settings import CollectorSettings
 from shadowd.collector.store import Store
 from shadowd.judge.policy import load_policy
@@ -58,6 +59,7 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
     registry.register(RollupExporter(engine, settings.metrics_active_hours))
     store = Store(engine, policy, settings.time_bucket_s, settings.store_samples)
     state = AppState(settings=settings, engine=engine, store=store, policy=policy, metrics=metrics)
+    evaluator = Evaluator(engine, policy, metrics, settings.eval_interval_s, settings.metrics_active_hours)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,6 +68,7 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
         tasks = []
         if settings.retention_hours > 0:
             tasks.append(asyncio.create_task(_retention_loop(state)))
+        tasks.append(asyncio.create_task(evaluator.run_forever()))
         try:
             yield
         finally:
@@ -77,7 +80,8 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
                   default_response_class=JSONResponse)
     app.state.shadowd = state
     app.state.metrics = metrics
+    app.state.evaluator = evaluator
     install_error_handlers(app)
-    for module in (health, runs, samples, readiness):
+    for module in (health, runs, samples, readiness, status):
         app.include_router(module.router)
     return app

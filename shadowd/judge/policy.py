@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["DTYPE_DEFAULTS", "Policy", "load_policy"]
+__all__ = ["DTYPE_DEFAULTS", "ENV_PREFIX", "Policy", "load_policy", "policy_from_env"]
 
 Dtype = Literal["bf16", "fp16", "fp32"]
+
+ENV_PREFIX = "SHADOWD_POLICY_"
 
 #: tolerances per output dtype: rel-L2, cosine difference, max-abs / output scale, ulp (relative)
 DTYPE_DEFAULTS: dict[str, dict[str, float]] = {
@@ -43,22 +47,22 @@ class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dtype: Dtype = "bf16"
-    rel_l2_max: float | None = Field(None, gt=0, description="per-call rel-L2 tolerance")
-    cos_diff_max: float | None = Field(None, gt=0, description="per-call cosine-difference tolerance")
+    rel_l2_max: float | None = Field(default=None, gt=0, description="per-call rel-L2 tolerance")
+    cos_diff_max: float | None = Field(default=None, gt=0, description="per-call cosine-difference tolerance")
     scaled_max_abs_max: float | None = Field(
-        None, gt=0, description="per-call max-abs divided by the output's scale (max |baseline|)"
+        default=None, gt=0, description="per-call max-abs divided by the output's scale (max |baseline|)"
     )
-    oracle_k: float = Field(2.0, gt=0, description="candidate-vs-oracle error ≤ k × baseline's + ulp floor")
-    target_rate: float = Field(1e-4, gt=0, lt=1, description="largest acceptable rate of exceeding steps")
-    confidence: float = Field(0.99, gt=0.5, lt=1, description="confidence of the exact binomial interval")
-    min_requests: int = Field(1000, ge=0, description="distinct requests before READY")
-    min_span_s: float = Field(3600.0, ge=0, description="traffic time span before READY, seconds")
-    min_cell_samples: int = Field(100, ge=1, description="samples per layer and per shape bucket")
-    drift_window_s: float = Field(900.0, gt=0, description="recent window compared with history")
-    drift_ratio: float = Field(2.0, gt=1, description="recent mean error may not exceed history × ratio")
-    drift_min_samples: int = Field(200, ge=1, description="samples in each side before drift is judged")
-    hysteresis_k: int = Field(4, ge=1, description="consecutive passing evaluations before READY")
-    hysteresis_minutes: float = Field(30.0, ge=0, description="span those evaluations must cover")
+    oracle_k: float = Field(default=2.0, gt=0, description="cand-vs-oracle error ≤ k × baseline's + ulp floor")
+    target_rate: float = Field(default=1e-4, gt=0, lt=1, description="largest acceptable exceeding-step rate")
+    confidence: float = Field(default=0.99, gt=0.5, lt=1, description="confidence of the binomial bounds")
+    min_requests: int = Field(default=1000, ge=0, description="distinct requests before READY")
+    min_span_s: float = Field(default=3600.0, ge=0, description="traffic time span before READY, seconds")
+    min_cell_samples: int = Field(default=100, ge=1, description="samples per layer and per shape bucket")
+    drift_window_s: float = Field(default=900.0, gt=0, description="recent window compared with history")
+    drift_ratio: float = Field(default=2.0, gt=1, description="recent mean error ≤ history × ratio")
+    drift_min_samples: int = Field(default=200, ge=1, description="samples per side to judge drift")
+    hysteresis_k: int = Field(default=4, ge=1, description="consecutive passing evaluations before READY")
+    hysteresis_minutes: float = Field(default=30.0, ge=0, description="span those evaluations must cover")
 
     def tol(self, name: str) -> float:
         """The effective tolerance ``name`` (explicit value, else the dtype default)."""
@@ -87,7 +91,8 @@ class Policy(BaseModel):
     def exceeds(self, cols: dict[str, np.ndarray]) -> np.ndarray:
         """Per call: does it exceed tolerance or fail hard? (vectorised over a batch)
 
-        NaN in any error statistic counts as exceeding: NaN never passes.
+        NaN in any error statistic counts as exceeding (NaN never passes), except in a call whose
+        baseline alone is non-finite: that is a baseline event, not the candidate's failure.
         """
         rel = cols["rel_l2"]
         cos = cols["cos_diff"]
@@ -95,9 +100,16 @@ class Policy(BaseModel):
         scale = cols["out_scale"]
         with np.errstate(divide="ignore", invalid="ignore"):
             scaled = np.where(scale > 0, max_abs / np.where(scale > 0, scale, 1.0), max_abs)
-            bad = ~(rel <= self.tol("rel_l2_max"))
-            bad |= ~(cos <= self.tol("cos_diff_max"))
-            bad |= ~(scaled <= self.tol("scaled_max_abs_max"))
+            bad = rel > self.tol("rel_l2_max")
+            bad |= cos > self.tol("cos_diff_max")
+            bad |= scaled > self.tol("scaled_max_abs_max")
+            nan = np.isnan(rel) | np.isnan(cos) | np.isnan(scaled)
+            # a call whose baseline alone is non-finite is a baseline event: NaN statistics there are
+            # not held against the candidate (finite statistics beyond tolerance still are)
+            base = cols.get("base_nonfinite")
+            if base is not None:
+                nan &= ~((base > 0) & (cols["cand_nonfinite"] == 0))
+            bad |= nan
             bad |= cols["cand_nonfinite"] > 0
             bad |= cols["error_flag"]
             oc = cols.get("oracle_cand_err")
@@ -109,10 +121,30 @@ class Policy(BaseModel):
         return np.asarray(bad, dtype=bool)
 
 
-def load_policy(path: Path | None) -> Policy:
-    """Load a policy from TOML/JSON, or the bf16 defaults when ``path`` is None."""
-    if path is None:
-        return Policy()
-    text = Path(path).read_text()
-    data = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
+def policy_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Knobs set in the environment as ``SHADOWD_POLICY_<KNOB>`` (e.g. ``SHADOWD_POLICY_TARGET_RATE``).
+
+    ``SHADOWD_POLICY_FILE`` names the file and is not a knob.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for name in Policy.model_fields:
+        value = env.get(ENV_PREFIX + name.upper())
+        if value is not None and value != "":
+            out[name] = value
+    return out
+
+
+def load_policy(path: Path | str | None, environ: Mapping[str, str] | None = None) -> Policy:
+    """The policy in force: the file's knobs (TOML, or JSON by suffix), then ``SHADOWD_POLICY_*`` overrides.
+
+    With no file and no environment overrides: the bf16 defaults. ``environ`` defaults to
+    ``os.environ``; pass ``{}`` to ignore the environment.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
+        data.pop("description", None)
+    data.update(policy_from_env(environ))
     return Policy.model_validate(data)

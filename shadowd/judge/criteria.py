@@ -1,0 +1,358 @@
+"""The judge's criteria: pure functions of one run's rollups and the policy.
+
+Each returns a :class:`~shadowd.judge.report.Criterion`. Order matters only for reading:
+hard failures first, then tolerance (scale-free statistics first), the oracle rule, the
+exceedance rate, traffic volume, coverage and drift. Hysteresis and the fingerprint are in
+:mod:`shadowd.judge.hysteresis`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+from shadowd.judge.bins import count_above, hist_quantile_upper
+from shadowd.judge.inputs import RunRollups
+from shadowd.judge.policy import Policy
+from shadowd.judge.report import FAIL, INSUFFICIENT, PASS, Criterion, bucket_label
+from shadowd.judge.stats import lower_bound, steps_needed, upper_bound
+
+__all__ = [
+    "DRIFT_FLOOR",
+    "TOL_STATS",
+    "baseline_events",
+    "coverage",
+    "drift",
+    "exceedance",
+    "fold_layers",
+    "hard_failures",
+    "oracle",
+    "requests",
+    "time_span",
+    "tolerance",
+]
+
+#: (report name, rollup sum column, policy tolerance) — scale-free statistics first
+TOL_STATS = (
+    ("rel_l2", "sum_rel_l2", "rel_l2_max"),
+    ("cos_diff", "sum_cos_diff", "cos_diff_max"),
+    ("scaled_max_abs", "sum_scaled", "scaled_max_abs_max"),
+)
+#: drift ignores recent-vs-history differences below this fraction of the tolerance (noise floor)
+DRIFT_FLOOR = 0.01
+
+_FOLD = ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "n_oracle",
+         "sum_rel_l2", "sum_cos_diff", "sum_scaled", "sum_max_abs")
+
+
+def _f(row: dict[str, Any], key: str) -> float:
+    v = row.get(key)
+    return 0.0 if v is None else float(v)
+
+
+def fold_layers(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Sum cells (or time slots) per layer."""
+    out: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for c in rows:
+        a = out[int(c["layer"])]
+        for k in _FOLD:
+            a[k] += _f(c, k)
+    return out
+
+
+def _mean(total: float, n: float) -> float:
+    return total / n if n > 0 else float("nan")
+
+
+def _not_le(x: float, limit: float) -> bool:
+    """True unless ``x <= limit`` (NaN is never within a limit)."""
+    return not x <= limit
+
+
+# ---- hard failures -----------------------------------------------------------------------------
+def hard_failures(r: RunRollups, p: Policy) -> Criterion:
+    """Candidate non-finite where the baseline is finite, and candidate errors: sticky for the run."""
+    nonfinite = int(_f(r.run, "n_cand_nonfinite"))
+    errors = int(_f(r.run, "n_errors"))
+    layers = sorted({int(c["layer"]) for c in r.cells if _f(c, "n_cand_nonfinite") or _f(c, "n_error")})
+    buckets = sorted({bucket_label(c) for c in r.cells if _f(c, "n_cand_nonfinite") or _f(c, "n_error")})
+    parts = []
+    if nonfinite:
+        parts.append(f"{nonfinite} calls non-finite in the candidate where the baseline is finite")
+    if errors:
+        parts.append(f"{errors} candidate errors (exception, shape or dtype mismatch)")
+    status = FAIL if parts else PASS
+    detail = "; ".join(parts) if parts else "no non-finite mismatches and no candidate errors"
+    return Criterion("hard_failures", status, {"cand_nonfinite": nonfinite, "errors": errors},
+                     {"cand_nonfinite": 0, "errors": 0}, detail, layers, buckets)
+
+
+def baseline_events(r: RunRollups, p: Policy) -> Criterion:
+    """Baseline non-finite where the candidate is finite: reported, never held against the candidate."""
+    n = int(_f(r.run, "n_base_nonfinite"))
+    per_layer = fold_layers(r.cells)
+    layers = sorted(lay for lay, a in per_layer.items() if a["n_base_nonfinite"])
+    oracle_n = int(sum(per_layer[lay]["n_oracle"] for lay in layers))
+    detail = (f"{n} calls with the baseline non-finite where the candidate is finite (a baseline event); "
+              f"{oracle_n} oracle-sampled calls in those layers attribute errors" if n
+              else "no baseline-only non-finite outputs")
+    return Criterion("baseline_events", PASS, n, None, detail, layers, informational=True,
+                     extra={"oracle_samples_in_layers": oracle_n})
+
+
+# ---- tolerance ---------------------------------------------------------------------------------
+def tolerance(r: RunRollups, p: Policy) -> Criterion:
+    """Per (layer, shape bucket): mean rel-L2, cosine difference and max-abs/scale within tolerance.
+
+    NaN never passes: a NaN statistic, or calls whose statistics were NaN without a non-finite
+    output or candidate error to explain them, fail the cell.
+    """
+    limits = {name: p.tol(tol) for name, _, tol in TOL_STATS}
+    worst: dict[str, float] = dict.fromkeys(limits, 0.0)
+    bad_layers: set[int] = set()
+    bad_buckets: set[str] = set()
+    problems: list[str] = []
+    unexplained_total = 0
+    seen = 0
+    for c in r.cells:
+        n = _f(c, "n")
+        if n <= 0:
+            continue
+        seen += 1
+        bad = False
+        for name, col, _ in TOL_STATS:
+            m = _mean(_f(c, col), n)
+            worst[name] = float("nan") if math.isnan(m) or math.isnan(worst[name]) else max(worst[name], m)
+            if _not_le(m, limits[name]):
+                bad = True
+        explained = _f(c, "n_base_nonfinite") + _f(c, "n_cand_nonfinite") + _f(c, "n_error")
+        unexplained = _f(c, "n_nan_stat") - explained
+        if unexplained > 0:
+            unexplained_total += int(unexplained)
+            bad = True
+        if bad:
+            bad_layers.add(int(c["layer"]))
+            bad_buckets.add(bucket_label(c))
+    if not seen:
+        return Criterion("tolerance", INSUFFICIENT, None, limits, "no samples yet")
+    for name, limit in limits.items():
+        if _not_le(worst[name], limit):
+            problems.append(f"mean {name} {worst[name]:.3g} > {limit:.3g}")
+    if unexplained_total:
+        problems.append(f"{unexplained_total} calls with NaN error statistics and no non-finite output "
+                        "to explain it")
+    status = FAIL if bad_layers else PASS
+    detail = "; ".join(problems) or "mean statistics of every layer and shape bucket within tolerance"
+    return Criterion("tolerance", status, {**{f"worst_mean_{k}": v for k, v in worst.items()},
+                                           "unexplained_nan_stats": unexplained_total},
+                     {f"max_mean_{k}": v for k, v in limits.items()}, detail, sorted(bad_layers),
+                     sorted(bad_buckets))
+
+
+def oracle(r: RunRollups, p: Policy) -> Criterion:
+    """Where oracle samples exist: the median of cand_err / (base_err + ulp floor) per layer ≤ k.
+
+    The per-call rule (candidate-vs-oracle ≤ k × baseline-vs-oracle + ulp floor) already
+    counts in the exceedance rate; this catches a layer that is systematically worse than the
+    baseline against the fp32 oracle. The median is read conservatively (its bin's upper edge).
+    """
+    medians: dict[int, float] = {}
+    for (layer, stat), h in r.hists.items():
+        if stat == "oracle_ratio" and sum(h.values()) > 0:
+            medians[layer] = hist_quantile_upper(h, 0.5)
+    if not medians:
+        return Criterion("oracle", PASS, None, p.oracle_k, "no oracle samples (rule not applicable)")
+    bad = sorted(lay for lay, m in medians.items() if _not_le(m, p.oracle_k))
+    worst = max(medians.values(), key=lambda v: float("inf") if math.isnan(v) else v)
+    detail = (f"median candidate/baseline oracle error ratio ≤ {worst:.3g} in layers {bad} "
+              f"is above k={p.oracle_k}"
+              if bad else f"median oracle error ratio ≤ {worst:.3g} in every sampled layer (k={p.oracle_k})")
+    return Criterion("oracle", FAIL if bad else PASS, worst, p.oracle_k, detail, bad,
+                     extra={"oracle_layers": len(medians)})
+
+
+# ---- exceedance rate ---------------------------------------------------------------------------
+def _hist_bound(r: RunRollups, p: Policy) -> tuple[int, int]:
+    """(lower, upper) bound on exceeding steps under ``p`` from the per-call histograms alone."""
+    thresholds = {"rel_l2": p.tol("rel_l2_max"), "cos_diff": p.tol("cos_diff_max"),
+                  "scaled": p.tol("scaled_max_abs_max")}
+    per_layer = fold_layers(r.cells)
+    calls_per_step = max(1, int(_f(r.run, "tp_size")) or 1)
+    hard = int(_f(r.run, "n_errors") + _f(r.run, "n_cand_nonfinite"))
+    possible = hard
+    sure_steps = 1 if hard else 0
+    for (layer, stat), h in r.hists.items():
+        if stat in thresholds:
+            sure, maybe = count_above(h, thresholds[stat])
+        elif stat == "oracle_ratio":
+            sure, _ = count_above(h, max(p.oracle_k, 1.0))
+            _, maybe = count_above(h, min(p.oracle_k, 1.0))
+        else:
+            continue
+        possible += maybe
+        explained = per_layer[layer]["n_base_nonfinite"] if layer in per_layer else 0.0
+        sure_steps = max(sure_steps, math.ceil(max(0.0, sure - explained) / calls_per_step))
+    n = r.steps.total
+    return min(sure_steps, n), min(possible, n)
+
+
+def exceedance(r: RunRollups, p: Policy) -> Criterion:
+    """Rate of exceeding verify steps against the target, with exact one-sided binomial bounds."""
+    n = r.steps.total
+    exact = r.steps.policy_hash == p.hash()
+    if exact:
+        k_lo = k_hi = r.steps.exceeded
+    else:
+        k_lo, k_hi = _hist_bound(r, p)
+    lo = lower_bound(k_lo, n, p.confidence)
+    hi = upper_bound(k_hi, n, p.confidence)
+    layers = sorted({int(c["layer"]) for c in r.cells if _f(c, "n_exceed")}) if exact else []
+    buckets = sorted({bucket_label(c) for c in r.cells if _f(c, "n_exceed")}) if exact else []
+    rate = k_hi / n if n else float("nan")
+    observed = {"steps": n, "exceeding_steps": k_hi, "rate": rate, "lower": lo, "upper": hi}
+    if not exact:
+        observed["exceeding_steps_lower"] = k_lo
+    how = "exact count" if exact else "conservative bound from histograms (policy changed since ingest)"
+    conf = f"{p.confidence:.4g}"
+    if n == 0:
+        status, detail = INSUFFICIENT, "no verify steps yet"
+    elif hi < p.target_rate:
+        status = PASS
+        detail = f"{k_hi}/{n} steps exceed; upper bound {hi:.3g} < target {p.target_rate:.3g} at {conf}"
+    elif lo > p.target_rate:
+        status = FAIL
+        detail = f"{k_lo}/{n} steps exceed; lower bound {lo:.3g} > target {p.target_rate:.3g} at {conf}"
+    else:
+        more = max(0, steps_needed(k_hi, p.target_rate, p.confidence) - n)
+        status = INSUFFICIENT
+        detail = (f"{k_hi}/{n} steps exceed; bounds [{lo:.3g}, {hi:.3g}] contain target {p.target_rate:.3g} "
+                  f"at {conf}; about {more} more exceed-free steps needed ({how})")
+        observed["more_steps_needed"] = more
+    if status in (PASS, FAIL):
+        detail = f"{detail} ({how})"
+    threshold = {"target_rate": p.target_rate, "confidence": p.confidence}
+    return Criterion("exceedance", status, observed, threshold, detail, layers, buckets,
+                     conservative=not exact)
+
+
+# ---- volume and coverage -----------------------------------------------------------------------
+def requests(r: RunRollups, p: Policy) -> Criterion:
+    n = int(_f(r.run, "n_requests"))
+    ok = n >= p.min_requests
+    return Criterion("requests", PASS if ok else INSUFFICIENT, n, p.min_requests,
+                     f"{n} distinct requests seen (need {p.min_requests})")
+
+
+def time_span(r: RunRollups, p: Policy) -> Criterion:
+    """Span of sample timestamps (first to last sample)."""
+    first, last = r.run.get("first_sample_ts"), r.run.get("last_sample_ts")
+    span = float(last - first) if first is not None and last is not None else 0.0
+    ok = span >= p.min_span_s
+    return Criterion("time_span", PASS if ok else INSUFFICIENT, span, p.min_span_s,
+                     f"samples span {span:.0f} s (need {p.min_span_s:.0f} s)")
+
+
+def coverage(r: RunRollups, p: Policy) -> Criterion:
+    """Every declared layer and every shape bucket seen has at least ``min_cell_samples`` samples.
+
+    A bucket's count is its calls per layer (calls in the bucket / layers that saw it).
+    """
+    need = p.min_cell_samples
+    per_layer = fold_layers(r.cells)
+    num_layers = int(_f(r.run, "num_layers"))
+    layers = sorted(set(range(num_layers)) | set(per_layer))
+    short_layers = [lay for lay in layers if per_layer.get(lay, {}).get("n", 0.0) < need]
+    bucket_n: dict[str, float] = defaultdict(float)
+    bucket_layers: dict[str, set[int]] = defaultdict(set)
+    for c in r.cells:
+        if _f(c, "n") > 0:
+            bucket_n[bucket_label(c)] += _f(c, "n")
+            bucket_layers[bucket_label(c)].add(int(c["layer"]))
+    per_bucket = {b: n / max(1, len(bucket_layers[b])) for b, n in bucket_n.items()}
+    short_buckets = sorted(b for b, n in per_bucket.items() if n < need)
+    empty = [lay for lay in short_layers if per_layer.get(lay, {}).get("n", 0.0) == 0]
+    least_layer = min((per_layer.get(lay, {}).get("n", 0.0) for lay in layers), default=0.0)
+    least_bucket = min(per_bucket.values(), default=0.0)
+    observed = {"layers": len(layers), "min_layer_samples": least_layer, "buckets": len(per_bucket),
+                "min_bucket_samples": least_bucket, "empty_layers": len(empty)}
+    if short_layers or short_buckets or not layers:
+        parts = []
+        if short_layers:
+            parts.append(f"{len(short_layers)} of {len(layers)} layers below {need} samples "
+                         f"({len(empty)} empty)")
+        if short_buckets:
+            parts.append(f"{len(short_buckets)} of {len(per_bucket)} shape buckets below {need} samples "
+                         "per layer")
+        if not layers:
+            parts.append("the run declares no layers and none were seen")
+        detail = "; ".join(parts)
+        return Criterion("coverage", INSUFFICIENT, observed, need, detail, short_layers, short_buckets)
+    return Criterion("coverage", PASS, observed, need,
+                     f"all {len(layers)} layers and {len(per_bucket)} shape buckets have ≥ {need} samples")
+
+
+# ---- drift -------------------------------------------------------------------------------------
+def _drift_check(recent: dict[str, float], hist: dict[str, float], p: Policy) -> list[str]:
+    """Statistics whose recent mean is worse than history × ratio (+ a noise floor).
+
+    The cosine difference is a squared error (≈ rel-L2² / 2), so it is held to ratio².
+    """
+    worse = []
+    for name, col, tol in TOL_STATS:
+        rm, hm = _mean(recent[col], recent["n"]), _mean(hist[col], hist["n"])
+        ratio = p.drift_ratio**2 if name == "cos_diff" else p.drift_ratio
+        if _not_le(rm, ratio * hm + DRIFT_FLOOR * p.tol(tol)):
+            worse.append(name)
+    return worse
+
+
+def drift(r: RunRollups, p: Policy) -> Criterion:
+    """The recent window (``drift_window_s`` before the last sample) vs the run's earlier history.
+
+    Judged overall and per layer where both sides hold ``drift_min_samples``; also fails when
+    the recent window's own exceedance rate is above the target with confidence.
+    """
+    ref = r.run.get("last_sample_ts") or r.now
+    cut = float(ref) - p.drift_window_s
+    recent_rows = [s for s in r.slots if float(s["t"]) >= cut]
+    hist_rows = [s for s in r.slots if float(s["t"]) < cut]
+    rl, hl = fold_layers(recent_rows), fold_layers(hist_rows)
+    tot_r: dict[str, float] = defaultdict(float)
+    tot_h: dict[str, float] = defaultdict(float)
+    for a, tot in ((rl, tot_r), (hl, tot_h)):
+        for row in a.values():
+            for k, v in row.items():
+                tot[k] += v
+    need = p.drift_min_samples
+    ratios = {name: _mean(_mean(tot_r[col], tot_r["n"]), _mean(tot_h[col], tot_h["n"]))
+              for name, col, _ in TOL_STATS}
+    observed: dict[str, Any] = {"recent_samples": tot_r["n"], "history_samples": tot_h["n"],
+                                **{f"{k}_ratio": v for k, v in ratios.items()}}
+    problems: list[str] = []
+    bad_layers: list[int] = []
+    judged = tot_r["n"] >= need and tot_h["n"] >= need
+    if judged:
+        worse = _drift_check(tot_r, tot_h, p)
+        if worse:
+            problems.append("recent mean " + ", ".join(f"{w} is {ratios[w]:.3g}× history" for w in worse)
+                            + f" (limit {p.drift_ratio:g}×)")
+        for lay in sorted(set(rl) & set(hl)):
+            if rl[lay]["n"] >= need and hl[lay]["n"] >= need and _drift_check(rl[lay], hl[lay], p):
+                bad_layers.append(lay)
+        if bad_layers and not worse:
+            problems.append(f"{len(bad_layers)} layers' recent mean error above {p.drift_ratio:g}× "
+                            "their history")
+    if r.steps.policy_hash == p.hash() and r.steps.recent_total:
+        lo = lower_bound(r.steps.recent_exceeded, r.steps.recent_total, p.confidence)
+        observed["recent_exceedance_lower"] = lo
+        if lo > p.target_rate:
+            problems.append(f"recent window: {r.steps.recent_exceeded}/{r.steps.recent_total} steps exceed, "
+                            f"lower bound {lo:.3g} > target {p.target_rate:.3g}")
+    threshold = {"ratio": p.drift_ratio, "window_s": p.drift_window_s, "min_samples": need}
+    if problems:
+        return Criterion("drift", FAIL, observed, threshold, "; ".join(problems), bad_layers)
+    detail = ("recent window within the ratio of history" if judged
+              else f"not judged yet: recent {tot_r['n']:.0f} / history {tot_h['n']:.0f} samples "
+                   f"(need {need} each)")
+    return Criterion("drift", PASS, observed, threshold, detail, extra={"judged": judged})

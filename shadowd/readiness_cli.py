@@ -1,0 +1,98 @@
+"""``shadowd readiness``: print a run's verdict and reasons; the exit status is a pipeline gate.
+
+Exit codes:
+
+- 0  READY
+- 1  NOT_READY
+- 2  INSUFFICIENT_DATA
+- 3  the collector is unreachable (connection refused, timeout, or an HTTP answer without a verdict)
+- 4  the request was refused (unknown run, missing or wrong token)
+
+``--wait SECONDS`` polls until READY or until the time is up, and exits with the last answer's code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "EXIT_CODES",
+    "EXIT_INSUFFICIENT_DATA",
+    "EXIT_NOT_READY",
+    "EXIT_READY",
+    "EXIT_REFUSED",
+    "EXIT_UNREACHABLE",
+    "fetch_readiness",
+    "format_report",
+    "readiness_command",
+]
+
+EXIT_READY = 0
+EXIT_NOT_READY = 1
+EXIT_INSUFFICIENT_DATA = 2
+EXIT_UNREACHABLE = 3
+EXIT_REFUSED = 4
+EXIT_CODES = {"READY": EXIT_READY, "NOT_READY": EXIT_NOT_READY, "INSUFFICIENT_DATA": EXIT_INSUFFICIENT_DATA}
+
+
+def fetch_readiness(client: httpx.Client, run_id: int | None) -> tuple[int, dict[str, Any]]:
+    """One ``GET /readiness``: (exit code, body or an error description)."""
+    params = {"run_id": run_id} if run_id is not None else None
+    try:
+        resp = client.get("/readiness", params=params)
+    except httpx.HTTPError as exc:
+        return EXIT_UNREACHABLE, {"error": f"collector unreachable: {exc.__class__.__name__}: {exc}"}
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if resp.status_code in (200, 503) and isinstance(body, dict) and body.get("verdict") in EXIT_CODES:
+        return EXIT_CODES[body["verdict"]], body
+    if resp.status_code in (401, 403, 404, 422):
+        detail = body.get("detail", body) if isinstance(body, dict) else resp.text[:300]
+        return EXIT_REFUSED, {"error": f"HTTP {resp.status_code}: {detail}"}
+    return EXIT_UNREACHABLE, {"error": f"HTTP {resp.status_code} without a verdict: {resp.text[:300]}"}
+
+
+def format_report(body: dict[str, Any]) -> str:
+    """The verdict line and one line per reason."""
+    if "verdict" not in body:
+        return f"ERROR {body.get('error', body)}"
+    head = f"{body['verdict']}  run {body.get('run_id')} ({body.get('run_key', '')})"
+    fp = body.get("candidate_fingerprint")
+    if fp:
+        head += f"  candidate {fp}"
+    lines = [head]
+    lines += [f"  - {r}" for r in body.get("reasons", [])]
+    return "\n".join(lines)
+
+
+def readiness_command(url: str, run_id: int | None = None, wait_s: float = 0.0, token: str | None = None, *,
+                      poll_s: float = 5.0, client: httpx.Client | None = None,
+                      echo: Callable[[str], None] = print) -> int:
+    """Print the verdict of ``run_id`` (latest run when None) at ``url``; return the exit code.
+
+    With ``wait_s`` > 0, poll every ``poll_s`` seconds until READY or ``wait_s`` has passed.
+    ``client`` replaces the HTTP client (tests pass a TestClient).
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    own = client is None
+    http = client if client is not None else httpx.Client(base_url=url.rstrip("/"), timeout=10.0)
+    if headers:
+        http.headers.update(headers)
+    deadline = time.monotonic() + max(0.0, wait_s)
+    try:
+        while True:
+            code, body = fetch_readiness(http, run_id)
+            remaining = deadline - time.monotonic()
+            if code in (EXIT_READY, EXIT_REFUSED) or remaining <= 0:
+                echo(format_report(body))
+                return code
+            time.sleep(min(poll_s, remaining))
+    finally:
+        if own:
+            http.close()

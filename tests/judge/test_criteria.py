@@ -1,0 +1,268 @@
+"""Unit tests of the judge on constructed rollups: each criterion on both sides of its threshold."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from shadowd.judge.bins import stat_bins
+from shadowd.judge.inputs import StepCounts
+from shadowd.judge.policy import Policy, load_policy
+from shadowd.judge.stats import lower_bound, steps_needed, upper_bound
+from shadowd.judge.verdict import INSUFFICIENT_DATA, NOT_READY, READY, judge
+from tests.judge.builders import SMALL, T0, cell, criterion, rollups, statuses
+
+
+def test_baseline_is_ready() -> None:
+    rep = judge(rollups(), SMALL)
+    assert rep["verdict"] == READY and rep["reasons"] == []
+    assert all(c["passed"] for c in rep["criteria"])
+    json.dumps(rep, allow_nan=False)
+
+
+def test_no_samples_is_insufficient() -> None:
+    rep = judge(rollups(cells=[], steps=0, requests=0, span=0.0), SMALL)
+    assert rep["verdict"] == INSUFFICIENT_DATA
+    assert statuses(rep)["exceedance"] == "insufficient"
+    assert criterion(rep, "coverage")["layers"] == [0, 1]
+
+
+# ---- hard failures -------------------------------------------------------------------------------
+def test_candidate_nonfinite_is_not_ready() -> None:
+    cells = [cell(0, 1000), cell(1, 1000, n_cand_nonfinite=1)]
+    rep = judge(rollups(cells=cells), SMALL)
+    assert rep["verdict"] == NOT_READY
+    hard = criterion(rep, "hard_failures")
+    assert hard["status"] == "fail" and hard["layers"] == [1]
+    assert any(r.startswith("hard_failures") for r in rep["reasons"])
+
+
+def test_candidate_error_is_not_ready() -> None:
+    rep = judge(rollups(cells=[cell(0, 1000, n_error=2), cell(1, 1000)]), SMALL)
+    assert rep["verdict"] == NOT_READY
+    assert criterion(rep, "hard_failures")["observed"]["errors"] == 2
+
+
+def test_baseline_only_nonfinite_is_reported_not_held_against_candidate() -> None:
+    cells = [cell(0, 1000, n_base_nonfinite=3, n_nan_stat=3), cell(1, 1000)]
+    rep = judge(rollups(cells=cells), SMALL)
+    assert rep["verdict"] == READY
+    ev = criterion(rep, "baseline_events")
+    assert ev["observed"] == 3 and ev["layers"] == [0] and ev["informational"]
+
+
+# ---- tolerance -----------------------------------------------------------------------------------
+def test_tolerance_exactly_at_threshold_passes() -> None:
+    tol = SMALL.tol("rel_l2_max")
+    c0 = cell(0, 1000, sum_rel_l2=1000 * tol)
+    rep = judge(rollups(cells=[c0, cell(1, 1000)]), SMALL)
+    assert criterion(rep, "tolerance")["status"] == "pass"
+
+
+def test_tolerance_just_above_fails_naming_layer_and_bucket() -> None:
+    tol = SMALL.tol("rel_l2_max")
+    c1 = cell(1, 1000, sum_rel_l2=1000 * tol * 1.01, bucket=(16, 8, 14, 8))
+    rep = judge(rollups(cells=[cell(0, 1000), c1]), SMALL)
+    t = criterion(rep, "tolerance")
+    assert rep["verdict"] == NOT_READY and t["status"] == "fail"
+    assert t["layers"] == [1] and t["buckets"] == ["bs16-t8-p14-h8"]
+    assert rep["failing_layers"] == [1]
+
+
+@pytest.mark.parametrize("col", ["sum_rel_l2", "sum_cos_diff", "sum_scaled"])
+def test_nan_statistic_is_a_failure_never_a_pass(col: str) -> None:
+    rep = judge(rollups(cells=[cell(0, 1000, **{col: float("nan")}), cell(1, 1000)]), SMALL)
+    assert rep["verdict"] == NOT_READY
+    assert criterion(rep, "tolerance")["status"] == "fail"
+    json.dumps(rep, allow_nan=False)  # NaN is spelled out, the JSON stays valid
+
+
+def test_unexplained_nan_statistics_fail() -> None:
+    rep = judge(rollups(cells=[cell(0, 1000, n_nan_stat=1), cell(1, 1000)]), SMALL)
+    assert criterion(rep, "tolerance")["status"] == "fail"
+    assert rep["verdict"] == NOT_READY
+
+
+def test_policy_exceeds_nan_is_exceeding_unless_baseline_event() -> None:
+    nan = float("nan")
+    cols = {"rel_l2": np.array([nan, nan, 1e-3, 0.5]), "cos_diff": np.array([1e-6, 1e-6, 1e-6, 1e-6]),
+            "max_abs": np.array([1e-3] * 4), "out_scale": np.ones(4), "cand_nonfinite": np.zeros(4),
+            "base_nonfinite": np.array([0, 5, 0, 5]), "error_flag": np.zeros(4, dtype=bool)}
+    assert Policy().exceeds(cols).tolist() == [True, False, False, True]
+
+
+# ---- oracle ----------------------------------------------------------------------------------------
+def _with_oracle(ratio: float, policy: Policy = SMALL) -> dict:
+    r = rollups()
+    hist = {int(b): 100 for b in stat_bins(np.array([ratio]))}
+    return judge(dataclasses.replace(r, hists={(0, "oracle_ratio"): hist}), policy)
+
+
+def test_oracle_rule_both_sides() -> None:
+    assert criterion(_with_oracle(1.0), "oracle")["status"] == "pass"
+    rep = _with_oracle(4.0)
+    assert criterion(rep, "oracle")["status"] == "fail" and rep["verdict"] == NOT_READY
+    assert criterion(judge(rollups(), SMALL), "oracle")["status"] == "pass"  # no oracle samples
+
+
+# ---- exceedance ----------------------------------------------------------------------------------
+def test_zero_exceedances_but_too_few_steps_is_insufficient() -> None:
+    need = steps_needed(0, SMALL.target_rate, SMALL.confidence)
+    rep = judge(rollups(steps=need - 1), SMALL)
+    ex = criterion(rep, "exceedance")
+    assert rep["verdict"] == INSUFFICIENT_DATA and ex["status"] == "insufficient"
+    assert ex["observed"]["more_steps_needed"] == 1
+    assert criterion(judge(rollups(steps=need), SMALL), "exceedance")["status"] == "pass"
+
+
+def test_upper_bound_exactly_at_target_is_not_ready_eligible() -> None:
+    n = 500
+    policy = SMALL.model_copy(update={"target_rate": upper_bound(0, n, SMALL.confidence)})
+    assert criterion(judge(rollups(steps=n, policy=policy), policy), "exceedance")["status"] == "insufficient"
+
+
+def test_lower_bound_above_target_is_not_ready() -> None:
+    rep = judge(rollups(steps=2000, exceeded=60), SMALL)  # 3 % ≫ 1 %
+    ex = criterion(rep, "exceedance")
+    assert rep["verdict"] == NOT_READY and ex["status"] == "fail"
+    assert any(r.startswith("exceedance: FAIL") for r in rep["reasons"])
+
+
+def test_interval_containing_target_is_insufficient() -> None:
+    rep = judge(rollups(steps=1000, exceeded=10), SMALL)  # 1 % observed, target 1 %
+    assert criterion(rep, "exceedance")["status"] == "insufficient"
+
+
+def test_clopper_pearson_bounds() -> None:
+    assert steps_needed(0, 1e-4, 0.99) == 46050
+    assert upper_bound(0, 46050, 0.99) < 1e-4 <= upper_bound(0, 46049, 0.99)
+    assert math.isclose(upper_bound(0, 100, 0.9), 1 - 0.1 ** (1 / 100))
+    assert lower_bound(0, 100, 0.99) == 0.0
+    assert lower_bound(5, 100, 0.99) < 0.05 < upper_bound(5, 100, 0.99)
+    k = 7
+    assert upper_bound(k, steps_needed(k, 0.01, 0.99), 0.99) < 0.01 <= upper_bound(k, steps_needed(k, 0.01, 0.99) - 1,
+                                                                                    0.99)
+
+
+def test_policy_change_uses_conservative_histogram_bound() -> None:
+    r = rollups(steps=2000, policy_hash="other")
+    low = {int(stat_bins(np.array([1e-3]))[0]): 2000}
+    r = dataclasses.replace(r, hists={(0, "rel_l2"): low, (0, "cos_diff"): {int(stat_bins(np.array([1e-7]))[0]): 2000},
+                                      (0, "scaled"): low})
+    ex = criterion(judge(r, SMALL), "exceedance")
+    assert ex["conservative"] and ex["status"] == "pass"
+    high = {int(stat_bins(np.array([0.5]))[0]): 200, **low}
+    r2 = dataclasses.replace(r, hists={**r.hists, (0, "rel_l2"): high})
+    ex2 = criterion(judge(r2, SMALL), "exceedance")
+    assert ex2["conservative"] and ex2["status"] == "fail"
+
+
+# ---- volume, span, coverage --------------------------------------------------------------------
+def test_requests_and_span_both_sides() -> None:
+    assert statuses(judge(rollups(requests=10), SMALL))["requests"] == "pass"
+    assert statuses(judge(rollups(requests=9), SMALL))["requests"] == "insufficient"
+    assert statuses(judge(rollups(span=60.0), SMALL))["time_span"] == "pass"
+    rep = judge(rollups(span=59.0), SMALL)
+    assert statuses(rep)["time_span"] == "insufficient" and rep["verdict"] == INSUFFICIENT_DATA
+
+
+def test_empty_layer_is_insufficient_and_named() -> None:
+    rep = judge(rollups(num_layers=3, cells=[cell(0, 1000), cell(1, 1000)]), SMALL)
+    cov = criterion(rep, "coverage")
+    assert rep["verdict"] == INSUFFICIENT_DATA and cov["layers"] == [2]
+    assert cov["observed"]["empty_layers"] == 1
+
+
+def test_short_bucket_is_named() -> None:
+    cells = [cell(0, 1000), cell(1, 1000), cell(0, 9, bucket=(64, 16, 17, 8)), cell(1, 9, bucket=(64, 16, 17, 8))]
+    cov = criterion(judge(rollups(cells=cells), SMALL), "coverage")
+    assert cov["status"] == "insufficient" and cov["buckets"] == ["bs64-t16-p17-h8"]
+    cells[2]["n"] = cells[3]["n"] = 10
+    assert criterion(judge(rollups(cells=cells), SMALL), "coverage")["status"] == "pass"
+
+
+# ---- drift ---------------------------------------------------------------------------------------
+def test_drift_both_sides() -> None:
+    assert criterion(judge(rollups(recent_rel=5.9e-3), SMALL), "drift")["status"] == "pass"
+    rep = judge(rollups(recent_rel=1e-2), SMALL)  # 3.3× history, still within tolerance
+    d = criterion(rep, "drift")
+    assert rep["verdict"] == NOT_READY and d["status"] == "fail" and d["layers"] == [0, 1]
+    assert statuses(rep)["tolerance"] == "pass"
+
+
+def test_drift_not_judged_with_too_little_history() -> None:
+    policy = SMALL.model_copy(update={"min_cell_samples": 1})
+    rep = judge(rollups(num_layers=1, n_per_layer=30, recent_rel=1e-2), policy)
+    d = criterion(rep, "drift")
+    assert d["status"] == "pass" and not d["judged"]
+
+
+def test_recent_window_exceedance_turns_verdict() -> None:
+    r = rollups(steps=20000, exceeded=60)
+    r = dataclasses.replace(r, steps=StepCounts(20000, 60, SMALL.hash(), recent_total=1000, recent_exceeded=60))
+    rep = judge(r, SMALL)
+    assert criterion(rep, "exceedance")["status"] == "pass"
+    assert criterion(rep, "drift")["status"] == "fail" and rep["verdict"] == NOT_READY
+
+
+# ---- hysteresis and fingerprint ------------------------------------------------------------------
+HYST = SMALL.model_copy(update={"hysteresis_k": 3, "hysteresis_minutes": 1.0})
+
+
+def _ev(at: float, passing: bool = True, fp: str = "fp-1", policy: Policy = HYST) -> dict:
+    return {"at": at, "passing": passing, "candidate_fingerprint": fp, "policy_hash": policy.hash(),
+            "verdict": INSUFFICIENT_DATA}
+
+
+def test_hysteresis_needs_k_evaluations_over_m_minutes() -> None:
+    now = T0 + 1000
+    assert judge(rollups(policy=HYST, now=now, history=[_ev(now - 60), _ev(now - 30)]), HYST)["verdict"] == READY
+    rep = judge(rollups(policy=HYST, now=now, history=[_ev(now - 59), _ev(now - 30)]), HYST)
+    assert rep["verdict"] == INSUFFICIENT_DATA and criterion(rep, "hysteresis")["status"] == "insufficient"
+    assert judge(rollups(policy=HYST, now=now, history=[_ev(now - 120)]), HYST)["verdict"] == INSUFFICIENT_DATA
+    broken = [_ev(now - 120), _ev(now - 90), _ev(now - 60, passing=False), _ev(now - 30)]
+    assert judge(rollups(policy=HYST, now=now, history=broken), HYST)["verdict"] == INSUFFICIENT_DATA
+
+
+def test_new_fingerprint_starts_from_nothing() -> None:
+    now = T0 + 1000
+    old = [_ev(now - 300 + 30 * i, fp="fp-old") for i in range(10)]
+    rep = judge(rollups(policy=HYST, now=now, history=old, fingerprint="fp-new"), HYST)
+    assert rep["verdict"] == INSUFFICIENT_DATA
+    assert rep["hysteresis"]["streak"] == 1 and rep["hysteresis"]["other_fingerprints_ignored"] == 10
+    assert rep["candidate_fingerprint"] == "fp-new"
+
+
+def test_stored_streak_is_continued() -> None:
+    now = T0 + 1000
+    prev = {**_ev(now - 15), "hysteresis": {"streak": 5, "since": now - 600}}
+    rep = judge(rollups(policy=HYST, now=now, history=[prev]), HYST)
+    assert rep["verdict"] == READY and rep["hysteresis"]["streak"] == 6
+
+
+def test_failing_evaluation_resets_streak() -> None:
+    now = T0 + 1000
+    rep = judge(rollups(policy=HYST, now=now, recent_rel=1e-2, history=[_ev(now - 60), _ev(now - 30)]), HYST)
+    assert rep["verdict"] == NOT_READY and rep["hysteresis"]["streak"] == 0 and not rep["passing"]
+
+
+# ---- policy --------------------------------------------------------------------------------------
+def test_policy_file_env_and_demo(tmp_path) -> None:
+    f = tmp_path / "p.toml"
+    f.write_text('dtype = "fp16"\ntarget_rate = 0.001\n')
+    p = load_policy(f, {"SHADOWD_POLICY_MIN_REQUESTS": "7", "SHADOWD_POLICY_FILE": "ignored"})
+    assert p.dtype == "fp16" and p.target_rate == 0.001 and p.min_requests == 7
+    assert p.tol("rel_l2_max") == 1e-3 and p.hash() != Policy().hash()
+    j = tmp_path / "p.json"
+    j.write_text('{"confidence": 0.95}')
+    assert load_policy(j, {}).confidence == 0.95
+    assert load_policy(None, {}) == Policy()
+    from importlib import resources
+
+    demo = load_policy(str(resources.files("shadowd") / "policies" / "demo.toml"), {})
+    assert demo.confidence == 0.9 and demo.target_rate == 0.05
+    assert steps_needed(0, demo.target_rate, demo.confidence) < 100

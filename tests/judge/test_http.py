@@ -1,0 +1,163 @@
+"""End to end through HTTP: samples posted to the collector, evaluations on explicit clocks, the CLI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from shadowd.collector.app import create_app
+from shadowd.collector.evaluator import Evaluator
+from shadowd.collector.settings import CollectorSettings
+from shadowd.readiness_cli import readiness_command
+from shadowd.wire import MSGPACK, encode_msgpack
+from tests.factories import make_batch, run_body
+
+TS0 = 1.8e9
+
+
+class Env:
+    def __init__(self, tmp_path: Path, policy: str | None = None, interval: float = 3600.0) -> None:
+        pf = None
+        if policy is not None:
+            pf = tmp_path / "policy.toml"
+            pf.write_text(policy)
+        self.settings = CollectorSettings(db_url=f"sqlite:///{tmp_path}/shadowd.db", auto_upgrade=True,
+                                          eval_interval_s=interval, policy_file=pf)
+        self.registry = CollectorRegistry()
+        self.app = create_app(self.settings, self.registry)
+        self.client = TestClient(self.app)
+        self.evaluator: Evaluator = self.app.state.evaluator
+        self.seq = 0
+
+    def run(self, num_layers: int = 1, **over: Any) -> int:
+        r = self.client.post("/v1/runs", json=run_body(num_layers=num_layers, **over))
+        assert r.status_code == 201, r.text
+        return int(r.json()["id"])
+
+    def post(self, run_id: int, steps: int, step0: int, *, num_layers: int = 1, dt: float = 0.1,
+             rel_l2: float = 3e-3, chunk: int = 12_000, **columns: Any) -> None:
+        """``steps`` verify steps of ``num_layers`` calls from step ``step0``, at ``dt`` seconds per step."""
+        n_total = steps * num_layers
+        for start in range(0, n_total, chunk):
+            n = min(chunk, n_total - start)
+            first_step = step0 + start // num_layers
+            b = make_batch(n, num_layers=num_layers, seq=self.seq, step0=first_step, seed=self.seq, rel_l2=rel_l2,
+                           **columns)
+            step = np.asarray(b["samples"]["step"])
+            b["samples"]["ts"] = (TS0 + step * dt).tolist()
+            r = self.client.post(f"/v1/runs/{run_id}/samples", content=encode_msgpack(b),
+                                 headers={"content-type": MSGPACK})
+            assert r.status_code == 200, r.text
+            self.seq += 1
+
+    def metric(self, name: str, labels: dict[str, str]) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    e = Env(tmp_path)
+    yield e
+    e.app.state.shadowd.engine.dispose()
+
+
+def test_default_policy_reaches_ready_then_drift_flips_it(env: Env) -> None:
+    """The CI test: READY under the *default* policy (1e-4 at 99 %, 30 min hysteresis), then drift."""
+    rid = env.run()
+    env.post(rid, 47_000, 0)  # > 46 050 exceed-free steps over 4 700 s
+    t = time.time()
+    verdicts = [env.evaluator.evaluate(rid, now=t + 600 * i)["verdict"] for i in range(4)]
+    assert verdicts == ["INSUFFICIENT_DATA"] * 3 + ["READY"]
+
+    r = env.client.get("/readiness", params={"run_id": rid})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["verdict"] == "READY" and body["reasons"] == [] and body["policy"]["target_rate"] == 1e-4
+    assert {c["name"] for c in body["criteria"]} >= {"hard_failures", "tolerance", "exceedance", "coverage",
+                                                      "drift", "hysteresis", "requests", "time_span"}
+    assert body["hysteresis"]["streak"] == 4
+    assert env.client.get("/readiness").json()["run_id"] == rid  # latest run when omitted
+    assert env.metric("shadowd_readiness_verdict", {"run": str(rid), "candidate": "kdtree-verify",
+                                                    "verdict": "READY"}) == 1.0
+    assert readiness_command("http://testserver", rid, client=env.client, echo=lambda s: None) == 0
+
+    layers = env.client.get(f"/readiness/{rid}/layers").json()["layers"]
+    assert layers[0]["status"] == "ok" and layers[0]["samples"] == 47_000
+
+    # a slow regression: the last 15 minutes at 3.3× the error, still inside the per-call tolerance
+    env.post(rid, 9_000, 47_000, rel_l2=1e-2)
+    rep = env.evaluator.evaluate(rid, now=t + 2400)
+    assert rep["verdict"] == "NOT_READY"
+    assert [c["status"] for c in rep["criteria"] if c["name"] in ("exceedance", "tolerance", "drift")] == [
+        "pass", "pass", "fail"]
+    assert any(x.startswith("drift: FAIL") for x in rep["reasons"])
+    assert env.client.get("/readiness", params={"run_id": rid}).status_code == 503
+    assert env.metric("shadowd_readiness_verdict_changes_total", {"run": str(rid)}) == 2.0
+    assert readiness_command("http://testserver", rid, client=env.client, echo=lambda s: None) == 1
+
+
+def test_one_in_a_thousand_outliers_is_not_ready_with_exceedance_reason(env: Env) -> None:
+    rid = env.run()
+    steps = 6_000
+    rel = np.full(steps, 3e-3)
+    rel[::1000] = 0.1  # 1 exceeding step in 1 000, target 1e-4
+    env.post(rid, steps, 0, rel_l2=rel.tolist())
+    r = env.client.get("/readiness", params={"run_id": rid})
+    body = r.json()
+    assert r.status_code == 503 and body["verdict"] == "NOT_READY"
+    ex = next(c for c in body["criteria"] if c["name"] == "exceedance")
+    assert ex["status"] == "fail" and ex["observed"]["exceeding_steps"] == 6 and ex["layers"] == [0]
+    assert any(x.startswith("exceedance: FAIL") for x in body["reasons"])
+
+
+def test_nonfinite_mismatch_is_not_ready_and_sticky(env: Env) -> None:
+    rid = env.run(num_layers=2)
+    assert env.client.get("/readiness", params={"run_id": rid}).json()["verdict"] == "INSUFFICIENT_DATA"
+    nf = [0] * 400
+    nf[7] = 3
+    env.post(rid, 200, 0, num_layers=2, cand_nonfinite=nf)
+    # immediate: the stored INSUFFICIENT_DATA evaluation is not served once a hard failure is in
+    assert env.client.get("/readiness", params={"run_id": rid}).json()["verdict"] == "NOT_READY"
+    env.post(rid, 2000, 200, num_layers=2)
+    rep = env.evaluator.evaluate(rid)
+    assert rep["verdict"] == "NOT_READY" and rep["failing_layers"] == [1]
+    assert next(c for c in rep["criteria"] if c["name"] == "hard_failures")["layers"] == [1]
+
+
+def test_cli_exit_codes(env: Env) -> None:
+    rid = env.run()
+    out: list[str] = []
+    assert readiness_command("http://testserver", rid, client=env.client, echo=out.append) == 2
+    assert out[0].startswith("INSUFFICIENT_DATA") and "no verify steps yet" in out[0]
+    t0 = time.monotonic()
+    assert readiness_command("http://testserver", rid, wait_s=0.3, poll_s=0.1, client=env.client,
+                             echo=lambda s: None) == 2
+    assert time.monotonic() - t0 >= 0.3
+    assert readiness_command("http://testserver", 999, client=env.client, echo=out.append) == 4
+    assert readiness_command("http://127.0.0.1:9", rid, echo=out.append) == 3
+    assert out[-1].startswith("ERROR collector unreachable")
+
+
+def test_evaluations_run_on_a_cadence_in_the_lifespan(tmp_path: Path) -> None:
+    demo = Path(__file__).parents[2] / "shadowd" / "policies" / "demo.toml"
+    e = Env(tmp_path, policy=demo.read_text(), interval=0.05)
+    with e.client:
+        rid = e.run(num_layers=2)
+        e.post(rid, 300, 0, num_layers=2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            prev = e.evaluator.previous(rid)
+            if prev is not None and prev["hysteresis"]["streak"] >= 3:
+                break
+            time.sleep(0.05)
+        prev = e.evaluator.previous(rid)
+        assert prev is not None and prev["hysteresis"]["streak"] >= 3
+        assert prev["policy"]["target_rate"] == 0.05
+        assert e.metric("shadowd_readiness_evaluations_total", {"run": str(rid)}) >= 3
