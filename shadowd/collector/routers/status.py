@@ -37,10 +37,9 @@ router = APIRouter(tags=["status"])
 MAX_COLUMNS = 120
 #: time buckets read back from the run's last sample
 WINDOW_BUCKETS = 720
-#: colour stops over log2(max rel-L2 / tolerance) from -8 to 0 (green up to tol/4, yellow at tol/2, red at tol);
-#: above the tolerance, non-finite or failed: DARK_RED
-_STOPS = ((0.0, (237, 247, 237)), (0.75, (129, 199, 132)), (0.875, (255, 213, 79)),
-          (1.0, (229, 57, 53)))
+#: colour stops over log2(max rel-L2 / tolerance) from -8 to 0: green up to tol/4, yellow at tol/2,
+#: red at tol; above the tolerance, non-finite or failed: DARK_RED
+_STOPS = ((0.0, (237, 247, 237)), (0.75, (129, 199, 132)), (0.875, (255, 213, 79)), (1.0, (229, 57, 53)))
 DARK_RED = "#6d0000"
 EMPTY = "#eceff1"
 
@@ -71,11 +70,20 @@ def load_status(engine: Engine, run_id: int | None, tolerance: float, bucket_s: 
     data.producers = queries.producers_of(engine, run["id"])
     c = t.timeslots.c
     with engine.connect() as conn:
-        ev = conn.execute(select(t.evaluations).where(t.evaluations.c.run_id == run["id"])
-                          .order_by(t.evaluations.c.at.desc(), t.evaluations.c.id.desc()).limit(1)).mappings().first()
+        ev = (
+            conn.execute(
+                select(t.evaluations)
+                .where(t.evaluations.c.run_id == run["id"])
+                .order_by(t.evaluations.c.at.desc(), t.evaluations.c.id.desc())
+                .limit(1)
+            )
+            .mappings()
+            .first()
+        )
         data.evaluation = dict(ev) if ev is not None else None
-        q = select(c.layer, c.t, c.n, c.n_exceed, c.n_cand_nonfinite, c.n_error, c.max_rel_l2, c.sum_rel_l2) \
-            .where(c.run_id == run["id"])
+        q = select(
+            c.layer, c.t, c.n, c.n_exceed, c.n_cand_nonfinite, c.n_error, c.max_rel_l2, c.sum_rel_l2
+        ).where(c.run_id == run["id"])
         if run["last_sample_ts"] is not None:
             q = q.where(c.t >= run["last_sample_ts"] - WINDOW_BUCKETS * bucket_s)
         data.slots = [dict(r) for r in conn.execute(q).mappings()]
@@ -127,6 +135,10 @@ def _fmt(v: Any) -> str:
         if v != v or v in (math.inf, -math.inf):
             return str(v)
         return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return ", ".join(_fmt(x) for x in v)
     return str(v)
 
 
@@ -145,8 +157,10 @@ def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) 
     cw = plot_w / len(firsts)
     rh = max(3.0, min(16.0, 420.0 / len(layers)))
     height = top + rh * len(layers) + 58
-    out = [f'<svg id="heatmap" role="img" aria-label="per-layer heatmap" xmlns="http://www.w3.org/2000/svg" '
-           f'width="{left + plot_w + 10}" height="{height:.0f}">']
+    out = [
+        f'<svg id="heatmap" role="img" aria-label="per-layer heatmap" xmlns="http://www.w3.org/2000/svg" '
+        f'width="{left + plot_w + 10}" height="{height:.0f}">'
+    ]
     for row, layer in enumerate(layers):
         y = top + row * rh
         if len(layers) <= 32 or layer % max(1, len(layers) // 16) == 0:
@@ -154,14 +168,21 @@ def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) 
         for col in range(len(firsts)):
             v = cell.get((layer, col))
             fill = EMPTY if v is None else _colour(v)
-            title = "no samples" if v is None else (
-                "non-finite or error" if math.isinf(v) else f"max rel-L2 = {v:.3g} × tolerance")
-            out.append(f'<rect x="{left + col * cw:.1f}" y="{y:.1f}" width="{max(cw - 0.5, 0.5):.1f}" '
-                       f'height="{max(rh - 0.5, 0.5):.1f}" fill="{fill}"><title>layer {layer}, '
-                       f'{_short(firsts[col])}: {title}</title></rect>')
+            title = (
+                "no samples"
+                if v is None
+                else ("non-finite or error" if math.isinf(v) else f"max rel-L2 = {v:.3g} × tolerance")
+            )
+            out.append(
+                f'<rect x="{left + col * cw:.1f}" y="{y:.1f}" width="{max(cw - 0.5, 0.5):.1f}" '
+                f'height="{max(rh - 0.5, 0.5):.1f}" fill="{fill}"><title>layer {layer}, '
+                f"{_short(firsts[col])}: {title}</title></rect>"
+            )
     base = top + rh * len(layers)
     out.append(f'<text x="{left}" y="{base + 14:.0f}">{_short(firsts[0])}</text>')
-    out.append(f'<text x="{left + plot_w}" y="{base + 14:.0f}" text-anchor="end">{_short(firsts[-1])} UTC</text>')
+    out.append(
+        f'<text x="{left + plot_w}" y="{base + 14:.0f}" text-anchor="end">{_short(firsts[-1])} UTC</text>'
+    )
     # legend: tolerance/256 .. tolerance, then above tolerance / non-finite
     ly = base + 26
     for i in range(9):
@@ -170,8 +191,10 @@ def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) 
     out.append(f'<rect x="{left + 9 * 28 + 6}" y="{ly}" width="28" height="10" fill="{DARK_RED}"/>')
     out.append(f'<text x="{left}" y="{ly + 24}">tol/256</text>')
     out.append(f'<text x="{left + 8 * 28 + 14}" y="{ly + 24}" text-anchor="middle">tol</text>')
-    out.append(f'<text x="{left + 10 * 28 + 14}" y="{ly + 24}">&gt; tol, non-finite or error '
-               f'(tol = rel-L2 {tolerance:.3g})</text>')
+    out.append(
+        f'<text x="{left + 10 * 28 + 14}" y="{ly + 24}">&gt; tol, non-finite or error '
+        f"(tol = rel-L2 {tolerance:.3g})</text>"
+    )
     out.append("</svg>")
     return "".join(out)
 
@@ -193,31 +216,43 @@ def exceedance_svg(slots: list[dict[str, Any]]) -> str:
     top_rate = max(max(rate), 1e-3)
     left, top, plot_w, plot_h = 58, 10, 890, 140
     cw = plot_w / len(firsts)
-    out = [f'<svg id="exceedance" role="img" aria-label="exceedance over time" '
-           f'xmlns="http://www.w3.org/2000/svg" width="{left + plot_w + 10}" height="{top + plot_h + 40}">',
-           f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#9aa5b1"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#9aa5b1"/>',
-           f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{top_rate:.2%}</text>',
-           f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">0</text>']
+    out = [
+        f'<svg id="exceedance" role="img" aria-label="exceedance over time" '
+        f'xmlns="http://www.w3.org/2000/svg" width="{left + plot_w + 10}" height="{top + plot_h + 40}">',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#9aa5b1"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#9aa5b1"/>',
+        f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{top_rate:.2%}</text>',
+        f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">0</text>',
+    ]
     top_nf = max(nonfinite) or 1
     for col, k in enumerate(nonfinite):
         if k:
             h = max(3.0, plot_h * 0.5 * k / top_nf)
-            out.append(f'<rect x="{left + col * cw:.1f}" y="{top + plot_h - h:.1f}" width="{max(cw - 1, 1):.1f}" '
-                       f'height="{h:.1f}" fill="#c62828" opacity="0.8"><title>{_short(firsts[col])}: {k} '
-                       f'non-finite mismatches</title></rect>')
-    pts = " ".join(f"{left + (col + 0.5) * cw:.1f},{top + plot_h - plot_h * r / top_rate:.1f}"
-                   for col, r in enumerate(rate))
+            out.append(
+                f'<rect x="{left + col * cw:.1f}" y="{top + plot_h - h:.1f}" width="{max(cw - 1, 1):.1f}" '
+                f'height="{h:.1f}" fill="#c62828" opacity="0.8"><title>{_short(firsts[col])}: {k} '
+                f"non-finite mismatches</title></rect>"
+            )
+    pts = " ".join(
+        f"{left + (col + 0.5) * cw:.1f},{top + plot_h - plot_h * r / top_rate:.1f}"
+        for col, r in enumerate(rate)
+    )
     out.append(f'<polyline points="{pts}" fill="none" stroke="#1565c0" stroke-width="1.6"/>')
     for col, r in enumerate(rate):
         if exc[col]:
-            out.append(f'<circle cx="{left + (col + 0.5) * cw:.1f}" cy="{top + plot_h - plot_h * r / top_rate:.1f}" '
-                       f'r="2.2" fill="#1565c0"><title>{_short(firsts[col])}: {exc[col]} of {n[col]} calls '
-                       f'beyond tolerance ({r:.3%})</title></circle>')
+            out.append(
+                f'<circle cx="{left + (col + 0.5) * cw:.1f}" cy="{top + plot_h - plot_h * r / top_rate:.1f}" '
+                f'r="2.2" fill="#1565c0"><title>{_short(firsts[col])}: {exc[col]} of {n[col]} calls '
+                f"beyond tolerance ({r:.3%})</title></circle>"
+            )
     out.append(f'<text x="{left}" y="{top + plot_h + 14}">{_short(firsts[0])}</text>')
-    out.append(f'<text x="{left + plot_w}" y="{top + plot_h + 14}" text-anchor="end">{_short(firsts[-1])} UTC</text>')
-    out.append(f'<text x="{left}" y="{top + plot_h + 32}">blue: share of calls beyond tolerance · red bars: calls '
-               f'non-finite in the candidate only</text>')
+    out.append(
+        f'<text x="{left + plot_w}" y="{top + plot_h + 14}" text-anchor="end">{_short(firsts[-1])} UTC</text>'
+    )
+    out.append(
+        f'<text x="{left}" y="{top + plot_h + 32}">blue: share of calls beyond tolerance · red bars: calls '
+        f"non-finite in the candidate only</text>"
+    )
     out.append("</svg>")
     return "".join(out)
 
@@ -229,10 +264,16 @@ _e = html.escape
 
 def _table(headers: list[str], rows: list[list[str]], numeric: set[int] | None = None) -> str:
     numeric = numeric or set()
-    head = "".join(f'<th class="num">{_e(h)}</th>' if i in numeric else f"<th>{_e(h)}</th>"
-                   for i, h in enumerate(headers))
-    body = "".join("<tr>" + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>"
-                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
+    head = "".join(
+        f'<th class="num">{_e(h)}</th>' if i in numeric else f"<th>{_e(h)}</th>"
+        for i, h in enumerate(headers)
+    )
+    body = "".join(
+        "<tr>"
+        + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>" for i, c in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -244,35 +285,70 @@ def _report(evaluation: dict[str, Any]) -> dict[str, Any]:
     return report if isinstance(report, dict) else {}
 
 
+def _criterion_status(c: dict[str, Any]) -> str:
+    status = str(c.get("status") or "").lower()
+    if status in ("pass", "fail", "insufficient"):
+        return status
+    return "pass" if c.get("passed") else "fail"
+
+
+def _criterion_order(c: dict[str, Any]) -> int:
+    return {"fail": 0, "insufficient": 1, "pass": 2}[_criterion_status(c)]
+
+
+def _criterion_mark(c: dict[str, Any]) -> str:
+    return {
+        "fail": '<span class="fail">FAIL</span>',
+        "insufficient": '<span class="need">need data</span>',
+        "pass": '<span class="pass">pass</span>',
+    }[_criterion_status(c)]
+
+
 def _verdict_section(data: StatusData) -> str:
     ev = data.evaluation
     if ev is None:
-        return ('<section id="verdict"><h2>Verdict</h2><span class="verdict v-NONE">no evaluation yet</span> '
-                '<span class="muted">the readiness judge has not stored an evaluation of this run</span></section>')
+        return (
+            '<section id="verdict"><h2>Verdict</h2><span class="verdict v-NONE">no evaluation yet</span> '
+            '<span class="muted">the readiness judge has not stored an evaluation of this run</span>'
+            "</section>"
+        )
     report = _report(ev)
     verdict = str(ev.get("verdict") or report.get("verdict") or "UNKNOWN")
     css = verdict if verdict in ("READY", "NOT_READY", "INSUFFICIENT_DATA") else "NONE"
     reasons = [str(r) for r in report.get("reasons") or [] if r is not None]
-    parts = [f'<section id="verdict"><h2>Verdict</h2><span class="verdict v-{css}">{_e(verdict)}</span> '
-             f'<span class="muted">evaluated {_e(_utc(float(ev["at"])))} · policy {_e(str(ev["policy_hash"])[:12])}'
-             f' · candidate {_e(str(ev["candidate_fingerprint"]))}</span>']
+    parts = [
+        f'<section id="verdict"><h2>Verdict</h2><span class="verdict v-{css}">{_e(verdict)}</span> '
+        f'<span class="muted">evaluated {_e(_utc(float(ev["at"])))} '
+        f"· policy {_e(str(ev['policy_hash'])[:12])}"
+        f" · candidate {_e(str(ev['candidate_fingerprint']))}</span>"
+    ]
     if reasons:
         parts.append('<ul class="reasons">' + "".join(f"<li>{_e(r)}</li>" for r in reasons) + "</ul>")
     criteria = [c for c in report.get("criteria") or [] if isinstance(c, dict)]
     if criteria:
-        criteria.sort(key=lambda c: bool(c.get("passed")))
-        rows = [[_e(str(c.get("name", "?"))), _e(_fmt(c.get("observed"))), _e(_fmt(c.get("threshold"))),
-                 '<span class="pass">pass</span>' if c.get("passed") else '<span class="fail">FAIL</span>']
-                for c in criteria]
-        parts.append('<h2 style="margin-top:10px">Criteria</h2>'
-                     + _table(["criterion", "observed", "threshold", ""], rows, {1, 2}))
+        criteria.sort(key=_criterion_order)
+        rows = [
+            [
+                _e(str(c.get("name", "?"))),
+                _criterion_mark(c),
+                f'<span class="wrap">{_e(_fmt(c.get("observed")))}</span>',
+                f'<span class="wrap">{_e(_fmt(c.get("threshold")))}</span>',
+                f'<span class="wrap muted">{_e(str(c.get("detail") or ""))}</span>',
+            ]
+            for c in criteria
+        ]
+        parts.append(
+            '<h2 style="margin-top:10px">Criteria</h2>'
+            + _table(["criterion", "", "observed", "threshold", "detail"], rows)
+        )
     parts.append("</section>")
     return "".join(parts)
 
 
 def _run_section(run: dict[str, Any]) -> str:
     items = [
-        ("run", f"{run['id']} · {run['run_key']}"), ("model", run["model"]),
+        ("run", f"{run['id']} · {run['run_key']}"),
+        ("model", run["model"]),
         ("candidate", f"{run['candidate_name']} ({run['candidate_fingerprint']})"),
         ("baseline", f"{run['baseline_name']} ({run['baseline_fingerprint']})"),
         ("GPU", f"{run['gpu_name']} {run['gpu_arch']} · driver {run['driver']}".strip()),
@@ -293,24 +369,80 @@ def _layers_section(layers: list[dict[str, Any]]) -> str:
     rows = []
     for r in layers:
         flag = ' class="fail"' if r["cand_nonfinite"] or r["errors"] else ""
-        timing = (f"{r['cand_us']:.1f} / {r['base_us']:.1f}" if r["cand_us"] is not None and r["base_us"] is not None
-                  else "–")
-        rows.append([f"<span{flag}>{r['layer']}</span>", _fmt(r["samples"]), _fmt(r["buckets"]),
-                     _fmt(r["exceeded"]), _fmt(r["cand_nonfinite"]), _fmt(r["errors"]), _fmt(r["mean_rel_l2"]),
-                     _fmt(r["max_rel_l2"]), _fmt(r["max_max_abs"]), _fmt(r["max_cos_diff"]), timing])
-    table = _table(["layer", "samples", "buckets", "beyond tol", "non-finite", "errors", "mean rel-L2",
-                    "max rel-L2", "max max-abs", "max cos-diff", "µs cand / base"], rows, set(range(1, 11)))
+        timing = (
+            f"{r['cand_us']:.1f} / {r['base_us']:.1f}"
+            if r["cand_us"] is not None and r["base_us"] is not None
+            else "–"
+        )
+        rows.append(
+            [
+                f"<span{flag}>{r['layer']}</span>",
+                _fmt(r["samples"]),
+                _fmt(r["buckets"]),
+                _fmt(r["exceeded"]),
+                _fmt(r["cand_nonfinite"]),
+                _fmt(r["errors"]),
+                _fmt(r["mean_rel_l2"]),
+                _fmt(r["max_rel_l2"]),
+                _fmt(r["max_max_abs"]),
+                _fmt(r["max_cos_diff"]),
+                timing,
+            ]
+        )
+    table = _table(
+        [
+            "layer",
+            "samples",
+            "buckets",
+            "beyond tol",
+            "non-finite",
+            "errors",
+            "mean rel-L2",
+            "max rel-L2",
+            "max max-abs",
+            "max cos-diff",
+            "µs cand / base",
+        ],
+        rows,
+        set(range(1, 11)),
+    )
     return f'<section id="layers"><h2>Layers</h2>{table}</section>'
 
 
 def _producers_section(producers: list[dict[str, Any]]) -> str:
     if not producers:
         return ""
-    rows = [[_e(str(p["producer"])[:12]), _fmt(p["rank"]), _fmt(p["batches"]), _fmt(p["samples"]),
-             _fmt(p["gaps"]), _fmt(p["spool_depth"]), _fmt(p["dropped"]), _fmt(bool(p["fallback"])),
-             _fmt(bool(p["disabled"])), _e(_utc(p["last_seen"]))] for p in producers]
-    table = _table(["producer", "rank", "batches", "samples", "gaps", "spool", "dropped", "fallback",
-                    "disabled", "last seen"], rows, set(range(1, 7)))
+    rows = [
+        [
+            _e(str(p["producer"])[:12]),
+            _fmt(p["rank"]),
+            _fmt(p["batches"]),
+            _fmt(p["samples"]),
+            _fmt(p["gaps"]),
+            _fmt(p["spool_depth"]),
+            _fmt(p["dropped"]),
+            _fmt(bool(p["fallback"])),
+            _fmt(bool(p["disabled"])),
+            _e(_utc(p["last_seen"])),
+        ]
+        for p in producers
+    ]
+    table = _table(
+        [
+            "producer",
+            "rank",
+            "batches",
+            "samples",
+            "gaps",
+            "spool",
+            "dropped",
+            "fallback",
+            "disabled",
+            "last seen",
+        ],
+        rows,
+        set(range(1, 7)),
+    )
     return f'<section id="producers"><h2>Producers</h2>{table}</section>'
 
 
@@ -319,9 +451,13 @@ def _run_form(runs: list[dict[str, Any]], current: int | None) -> str:
         return ""
     options = "".join(
         f'<option value="{r["id"]}"{" selected" if r["id"] == current else ""}>'
-        f'{r["id"]} · {_e(r["run_key"])} · {_e(r["candidate_name"])}</option>' for r in runs)
-    return (f'<form method="get" action="/"><label for="run_id">run</label>'
-            f'<select id="run_id" name="run_id">{options}</select><button type="submit">show</button></form>')
+        f"{r['id']} · {_e(r['run_key'])} · {_e(r['candidate_name'])}</option>"
+        for r in runs
+    )
+    return (
+        f'<form method="get" action="/"><label for="run_id">run</label>'
+        f'<select id="run_id" name="run_id">{options}</select><button type="submit">show</button></form>'
+    )
 
 
 def _template() -> string.Template:
@@ -333,24 +469,33 @@ def render_status(data: StatusData) -> str:
     """The whole page as HTML."""
     run = data.run
     if run is None:
-        body = ('<section><h2>No runs yet</h2><p>Producers register a run with <code>POST /v1/runs</code>; '
-                "it appears here with its first samples.</p></section>")
+        body = (
+            "<section><h2>No runs yet</h2><p>Producers register a run with <code>POST /v1/runs</code>; "
+            "it appears here with its first samples.</p></section>"
+        )
         return _template().substitute(title="shadowd status", version=_e(__version__), run_form="", body=body)
-    window = (f'<span class="muted">last {len({s["t"] for s in data.slots})} time buckets of {data.bucket_s} s'
-              "</span>")
-    body = "".join([
-        _verdict_section(data),
-        _run_section(run),
-        f'<section id="heatmap-section"><h2>Per-layer heatmap: largest per-call rel-L2 vs tolerance</h2>{window}'
-        f'<div class="plot">{heatmap_svg(data.slots, int(run["num_layers"]), data.tolerance)}</div></section>',
-        f'<section id="exceedance-section"><h2>Exceedance over time</h2>'
-        f'<div class="plot">{exceedance_svg(data.slots)}</div></section>',
-        _layers_section(data.layers),
-        _producers_section(data.producers),
-    ])
+    window = (
+        f'<span class="muted">last {len({s["t"] for s in data.slots})} time buckets of {data.bucket_s} s'
+        "</span>"
+    )
+    body = "".join(
+        [
+            _verdict_section(data),
+            _run_section(run),
+            '<section id="heatmap-section"><h2>Per-layer heatmap: largest per-call rel-L2 vs tolerance</h2>'
+            f"{window}"
+            f'<div class="plot">{heatmap_svg(data.slots, int(run["num_layers"]), data.tolerance)}</div>'
+            "</section>",
+            f'<section id="exceedance-section"><h2>Exceedance over time</h2>'
+            f'<div class="plot">{exceedance_svg(data.slots)}</div></section>',
+            _layers_section(data.layers),
+            _producers_section(data.producers),
+        ]
+    )
     title = f"shadowd · run {run['id']} · {run['run_key']}"
-    return _template().substitute(title=_e(title), version=_e(__version__),
-                                  run_form=_run_form(data.runs, int(run["id"])), body=body)
+    return _template().substitute(
+        title=_e(title), version=_e(__version__), run_form=_run_form(data.runs, int(run["id"])), body=body
+    )
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -364,7 +509,7 @@ async def status_page(state: State, run_id: int | None = Query(None, ge=1)) -> H
     try:
         page = await run_in_threadpool(work)
     except UnknownRun:
-        body = (f'<section><h2>Run {run_id} does not exist</h2><p><a href="/">latest run</a></p></section>')
+        body = f'<section><h2>Run {run_id} does not exist</h2><p><a href="/">latest run</a></p></section>'
         page = _template().substitute(title="shadowd status", version=_e(__version__), run_form="", body=body)
         return HTMLResponse(page, status_code=404)
     return HTMLResponse(page)
