@@ -18,10 +18,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
-    "ArgumentError",
     "D_QK",
     "D_V",
     "ERROR_BITS",
+    "ArgumentError",
     "choose_num_splits",
     "decode_error_flag",
     "tree_verify",
@@ -32,8 +32,8 @@ __all__ = [
 D_QK = 576
 D_V = 512
 BLOCK_M = 32
-MAX_SPLITS = 64
-MIN_KV_PER_SPLIT = 256
+MAX_SPLITS = 128
+MIN_KV_PER_SPLIT = 128
 
 # Bits of the int32 error flag (OR-ed in by the kernel; the caller clears it).
 ERROR_BITS = {
@@ -52,21 +52,23 @@ def decode_error_flag(value: int) -> list[str]:
 def choose_num_splits(batch: int, max_q_len: int, heads: int, kv_len_hint: int, sm_count: int = 132) -> int:
     """KV splits per (request, row tile), from shapes only (static under CUDA-graph replay).
 
-    Aim for about two CTAs per SM, with at least MIN_KV_PER_SPLIT KV rows per split on average
+    The kernel runs one 256-thread CTA per SM (registers), so aim for one full wave of
+    ``sm_count`` CTAs, with at least MIN_KV_PER_SPLIT KV rows per split on average
     (``kv_len_hint`` = average prefix + tree length; an over-estimate only costs speed).
     """
     m_tiles = max(1, math.ceil(max_q_len * heads / BLOCK_M))
     base = max(1, batch * m_tiles)
-    s = math.ceil(2 * sm_count / base)
+    s = sm_count // base
     s = min(s, max(1, math.ceil(kv_len_hint / MIN_KV_PER_SPLIT)), MAX_SPLITS)
     return max(1, s)
 
 
-def workspace_size(max_total_tokens: int, heads: int, num_splits: int = MAX_SPLITS, max_batch: int = 0) -> int:
-    """Workspace bytes (fp32 split partials) for ``num_splits`` splits: splits*tokens*heads*(512+1)*4.
+def workspace_size(max_batch: int, max_total_tokens: int, heads: int, num_splits: int = MAX_SPLITS) -> int:
+    """Workspace bytes (fp32 split partials) for up to ``num_splits`` KV splits.
 
-    ``max_batch`` is accepted for symmetry with the other maxima; the size does not depend on it.
-    Zero when ``num_splits <= 1``.
+    = num_splits * max_total_tokens * heads * (512 + 1) * 4; zero when ``num_splits <= 1``.
+    ``max_batch`` is part of the declared maxima but does not change the size.  Size a CUDA-graph
+    workspace with the ``num_splits`` you will pass (or MAX_SPLITS to cover any choice).
     """
     del max_batch
     if num_splits <= 1:
@@ -122,7 +124,7 @@ def tree_verify(
         sm_scale:    softmax scale (MLA: 192**-0.5 times mscale**2 - not 576**-0.5).
         out:         optional bf16 [ΣT, H, 512] output (last dim contiguous); allocated if None.
         lse:         optional fp32 [ΣT, H]: natural-log sum-exp of the scaled visible logits.
-        workspace:   optional uint8/float32 CUDA tensor of >= workspace_size(ΣT, H, num_splits) bytes;
+        workspace:   optional uint8/float32 CUDA tensor of >= workspace_size(B, ΣT, H, num_splits) bytes;
                      allocated if needed and None (pass one when capturing CUDA graphs).
         error_flag:  optional int32 [1] CUDA tensor; bits are OR-ed in (see ERROR_BITS), never cleared.
         max_q_len:   upper bound of T_b (default ΣT); launch shape depends on it, not on device data.
@@ -135,8 +137,22 @@ def tree_verify(
 
     from . import _lib
 
-    validate_args(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-                  sm_scale, out, lse, workspace, error_flag, require_cuda=True)
+    validate_args(
+        q,
+        k_draft,
+        kv_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask,
+        mask_indptr,
+        sm_scale,
+        out,
+        lse,
+        workspace,
+        error_flag,
+        require_cuda=True,
+    )
     total_tokens, heads = q.shape[0], q.shape[1]
     batch = qo_indptr.shape[0] - 1
     if max_q_len is None:
@@ -149,12 +165,31 @@ def tree_verify(
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     if workspace is not None:
         cap = workspace.numel() * workspace.element_size()
-        while num_splits > 1 and workspace_size(total_tokens, heads, num_splits) > cap:
+        while num_splits > 1 and workspace_size(batch, total_tokens, heads, num_splits) > cap:
             num_splits -= 1
     elif num_splits > 1:
-        workspace = torch.empty(workspace_size(total_tokens, heads, num_splits), dtype=torch.uint8,
-                                device=q.device)
-    _lib.launch(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-                float(sm_scale), out, lse, workspace, error_flag, batch, total_tokens, heads,
-                int(max_q_len), num_splits, torch.cuda.current_stream(q.device).cuda_stream)
+        workspace = torch.empty(
+            workspace_size(batch, total_tokens, heads, num_splits), dtype=torch.uint8, device=q.device
+        )
+    _lib.launch(
+        q,
+        k_draft,
+        kv_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask,
+        mask_indptr,
+        float(sm_scale),
+        out,
+        lse,
+        workspace,
+        error_flag,
+        batch,
+        total_tokens,
+        heads,
+        int(max_q_len),
+        num_splits,
+        torch.cuda.current_stream(q.device).cuda_stream,
+    )
     return out

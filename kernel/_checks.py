@@ -1,0 +1,166 @@
+"""Host-side argument checks of :func:`mla_tree_verify.tree_verify`.
+
+Only tensor metadata is read (dtype, device, shape, strides) - never tensor data, which would
+synchronise with the device and break CUDA-graph capture.  Every failure names the argument.
+With ``require_cuda=False`` the device check is skipped, so the checks run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INDEX_DTYPES = ("torch.int32", "torch.int64")
+MASK_DTYPES = ("torch.bool", "torch.uint8")
+
+
+class ArgumentError(ValueError):
+    """A tree_verify argument is unusable; ``.argument`` names it."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(f"mla_tree_verify.tree_verify: argument '{argument}': {message}")
+        self.argument = argument
+
+
+def _need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ArgumentError(name, msg)
+
+
+def _tensor(x: Any, name: str) -> None:
+    import torch
+
+    _need(isinstance(x, torch.Tensor), name, f"expected a torch.Tensor, got {type(x).__name__}")
+
+
+def _dtype(x: Any, name: str, allowed: tuple[str, ...]) -> None:
+    _need(str(x.dtype) in allowed, name, f"dtype {x.dtype} not in {allowed}")
+
+
+def _index(x: Any, name: str, length: int | None = None) -> None:
+    _tensor(x, name)
+    _dtype(x, name, INDEX_DTYPES)
+    _need(x.dim() == 1, name, f"expected 1-D, got shape {tuple(x.shape)}")
+    if length is not None:
+        _need(x.shape[0] == length, name, f"expected length {length}, got {x.shape[0]}")
+    _need(x.shape[0] <= 1 or x.stride(0) == 1, name, "must be contiguous")
+
+
+def _rows576(x: Any, name: str, d: int) -> int:
+    """[R, 1, d] or [R, d] with a contiguous last dim; returns R."""
+    _tensor(x, name)
+    _dtype(x, name, ("torch.bfloat16",))
+    ok = (x.dim() == 3 and x.shape[1] == 1 and x.shape[2] == d) or (x.dim() == 2 and x.shape[1] == d)
+    _need(ok, name, f"expected shape [rows, 1, {d}] or [rows, {d}], got {tuple(x.shape)}")
+    _need(x.stride(-1) == 1, name, "last dim must be contiguous (stride 1)")
+    _need(x.stride(0) % 8 == 0, name, f"row stride {x.stride(0)} must be a multiple of 8 elements (16 B)")
+    return x.shape[0]
+
+
+def validate_args(
+    q,
+    k_draft,
+    kv_buffer,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    custom_mask,
+    mask_indptr,
+    sm_scale,
+    out=None,
+    lse=None,
+    workspace=None,
+    error_flag=None,
+    require_cuda: bool = True,
+) -> None:
+    """Raise :class:`ArgumentError` naming the first unusable argument."""
+    import math
+
+    _tensor(q, "q")
+    _dtype(q, "q", ("torch.bfloat16",))
+    _need(
+        q.dim() == 3 and q.shape[2] == 576, "q", f"expected shape [tokens, heads, 576], got {tuple(q.shape)}"
+    )
+    _need(q.shape[1] >= 1, "q", "needs at least one head")
+    _need(q.stride(2) == 1, "q", "last dim must be contiguous (stride 1)")
+    _need(
+        q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0,
+        "q",
+        f"token/head strides {q.stride()[:2]} must be multiples of 8 elements (16 B)",
+    )
+    total, heads = q.shape[0], q.shape[1]
+    n_draft = _rows576(k_draft, "k_draft", 576)
+    _need(n_draft == total, "k_draft", f"expected {total} rows (one per q token), got {n_draft}")
+    _rows576(kv_buffer, "kv_buffer", 576)
+    _need(kv_buffer.shape[0] >= 1, "kv_buffer", "needs at least one slot")
+    _index(qo_indptr, "qo_indptr")
+    _need(qo_indptr.shape[0] >= 1, "qo_indptr", "needs batch+1 >= 1 entries")
+    batch = qo_indptr.shape[0] - 1
+    _index(kv_indptr, "kv_indptr", batch + 1)
+    _index(kv_indices, "kv_indices")
+    if custom_mask is not None:
+        _tensor(custom_mask, "custom_mask")
+        _dtype(custom_mask, "custom_mask", MASK_DTYPES)
+        _need(
+            custom_mask.dim() == 1,
+            "custom_mask",
+            f"expected flattened 1-D, got shape {tuple(custom_mask.shape)}",
+        )
+        _need(custom_mask.shape[0] <= 1 or custom_mask.stride(0) == 1, "custom_mask", "must be contiguous")
+        _need(mask_indptr is not None, "mask_indptr", "required when custom_mask is given")
+        _index(mask_indptr, "mask_indptr", batch + 1)
+    _need(
+        isinstance(sm_scale, (int, float)) and math.isfinite(float(sm_scale)) and float(sm_scale) > 0,
+        "sm_scale",
+        f"expected a finite positive float, got {sm_scale!r}",
+    )
+    if out is not None:
+        _tensor(out, "out")
+        _dtype(out, "out", ("torch.bfloat16",))
+        _need(
+            tuple(out.shape) == (total, heads, 512),
+            "out",
+            f"expected shape {(total, heads, 512)}, got {tuple(out.shape)}",
+        )
+        _need(out.stride(2) == 1, "out", "last dim must be contiguous (stride 1)")
+        _need(out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0, "out", "token/head strides must be even")
+    if lse is not None:
+        _tensor(lse, "lse")
+        _dtype(lse, "lse", ("torch.float32",))
+        _need(
+            tuple(lse.shape) == (total, heads),
+            "lse",
+            f"expected shape {(total, heads)}, got {tuple(lse.shape)}",
+        )
+    if workspace is not None:
+        _tensor(workspace, "workspace")
+        _need(workspace.is_contiguous(), "workspace", "must be contiguous")
+        _need(workspace.data_ptr() % 16 == 0, "workspace", "must be 16-byte aligned")
+    if error_flag is not None:
+        _tensor(error_flag, "error_flag")
+        _dtype(error_flag, "error_flag", ("torch.int32",))
+        _need(error_flag.numel() >= 1, "error_flag", "needs at least one element")
+    tensors = {
+        "q": q,
+        "k_draft": k_draft,
+        "kv_buffer": kv_buffer,
+        "qo_indptr": qo_indptr,
+        "kv_indptr": kv_indptr,
+        "kv_indices": kv_indices,
+        "custom_mask": custom_mask,
+        "mask_indptr": mask_indptr if custom_mask is not None else None,
+        "out": out,
+        "lse": lse,
+        "workspace": workspace,
+        "error_flag": error_flag,
+    }
+    if require_cuda:
+        dev = q.device
+        for name, t in tensors.items():
+            if t is None:
+                continue
+            _need(t.device.type == "cuda", name, f"must be a CUDA tensor, got device {t.device}")
+            _need(t.device == dev, name, f"on {t.device}, but q is on {dev}")
+    for name in ("q", "k_draft", "kv_buffer", "out"):
+        t = tensors[name]
+        if t is not None and t.numel() > 0:
+            _need(t.data_ptr() % 16 == 0, name, "data pointer must be 16-byte aligned")

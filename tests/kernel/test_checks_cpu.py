@@ -1,0 +1,110 @@
+"""Host-side argument checks: each bad argument raises ArgumentError naming it (no CUDA needed)."""
+
+from __future__ import annotations
+
+import mla_tree_verify
+import pytest
+import torch
+from mla_tree_verify import ArgumentError, testing, validate_args
+
+
+def _args():
+    c = testing.make_case([4, 2], [3, 2], 2, seed=1)
+    return dict(
+        q=c.q,
+        k_draft=c.k_draft,
+        kv_buffer=c.kv_buffer,
+        qo_indptr=c.qo_indptr,
+        kv_indptr=c.kv_indptr,
+        kv_indices=c.kv_indices,
+        custom_mask=c.custom_mask,
+        mask_indptr=c.mask_indptr,
+        sm_scale=c.sm_scale,
+    )
+
+
+def _check(**over):
+    a = _args()
+    a.update(over)
+    validate_args(**a, require_cuda=False)
+
+
+def test_valid_args_pass():
+    _check()
+    _check(custom_mask=None, mask_indptr=None)
+    a = _args()
+    _check(
+        custom_mask=a["custom_mask"].to(torch.uint8),
+        qo_indptr=a["qo_indptr"].long(),
+        kv_indices=a["kv_indices"].int(),
+        out=torch.empty(5, 2, 512, dtype=torch.bfloat16),
+        lse=torch.empty(5, 2),
+        error_flag=torch.zeros(1, dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "name,bad",
+    [
+        ("q", lambda a: a["q"].float()),
+        ("q", lambda a: a["q"][:, :, :512]),
+        ("q", lambda a: torch.zeros(5, 2, 1152, dtype=torch.bfloat16)[:, :, ::2]),
+        ("k_draft", lambda a: a["k_draft"][:4]),
+        ("k_draft", lambda a: a["k_draft"].half()),
+        ("kv_buffer", lambda a: a["kv_buffer"].reshape(-1, 2, 288)),
+        ("qo_indptr", lambda a: a["qo_indptr"].float()),
+        ("kv_indptr", lambda a: a["kv_indptr"][:2]),
+        ("kv_indices", lambda a: a["kv_indices"].reshape(2, -1)),
+        ("custom_mask", lambda a: a["custom_mask"].float()),
+        ("mask_indptr", lambda a: a["mask_indptr"].to(torch.int16)),
+        ("sm_scale", lambda a: float("nan")),
+        ("sm_scale", lambda a: -1.0),
+    ],
+)
+def test_bad_argument_is_named(name, bad):
+    a = _args()
+    with pytest.raises(ArgumentError) as ei:
+        _check(**{name: bad(a)})
+    assert ei.value.argument == name
+    assert f"'{name}'" in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "name,val",
+    [
+        ("out", torch.empty(5, 2, 511, dtype=torch.bfloat16)),
+        ("out", torch.empty(5, 2, 512, dtype=torch.float32)),
+        ("lse", torch.empty(5, 3)),
+        ("error_flag", torch.zeros(1, dtype=torch.int64)),
+    ],
+)
+def test_bad_output_is_named(name, val):
+    with pytest.raises(ArgumentError) as ei:
+        _check(**{name: val})
+    assert ei.value.argument == name
+
+
+def test_missing_mask_indptr_named():
+    with pytest.raises(ArgumentError) as ei:
+        _check(mask_indptr=None)
+    assert ei.value.argument == "mask_indptr"
+
+
+def test_cpu_tensors_rejected_naming_q():
+    a = _args()
+    with pytest.raises(ArgumentError) as ei:
+        mla_tree_verify.tree_verify(**a)
+    assert ei.value.argument == "q" and "CUDA" in str(ei.value)
+
+
+def test_workspace_and_splits_helpers():
+    assert mla_tree_verify.workspace_size(4, 100, 8, 1) == 0
+    assert mla_tree_verify.workspace_size(4, 100, 8, 4) == 4 * 100 * 8 * 513 * 4
+    assert mla_tree_verify.workspace_size(4, 100, 8) == mla_tree_verify.MAX_SPLITS * 100 * 8 * 513 * 4
+    s = mla_tree_verify.choose_num_splits(1, 16, 8, 32768, 132)
+    assert 1 <= s <= 128
+    assert mla_tree_verify.choose_num_splits(4, 64, 64, 32768, 132) == 1
+    assert mla_tree_verify.decode_error_flag(5) == [
+        mla_tree_verify.ERROR_BITS[1],
+        mla_tree_verify.ERROR_BITS[4],
+    ]

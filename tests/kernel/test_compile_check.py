@@ -1,0 +1,30 @@
+"""The compile-only resource check (nvcc, no GPU): sm_120 build has no spills and fits 101376 B smem."""
+
+from __future__ import annotations
+
+import pytest
+from mla_tree_verify import compile_check
+from mla_tree_verify._build import find_nvcc
+
+SAMPLE = """ptxas info    : Compiling entry function '_ZN3mtv14mtv_fwd_kernelE7MtvArgs' for 'sm_120'
+ptxas info    : Function properties for _ZN3mtv14mtv_fwd_kernelE7MtvArgs
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem
+"""
+
+
+def test_parse_and_fail_on_spills():
+    reps = compile_check.parse_ptxas(SAMPLE)
+    assert len(reps) == 1 and reps[0].kernel == "mtv_fwd_kernel" and reps[0].registers == 255
+    reps[0].dynamic_smem = 101000
+    fails = compile_check.check(reps)
+    text = " ".join(fails)
+    assert "spills" in text and "stack" in text and "102024" in text and "mtv_fwd_kernel" in text
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+def test_compile_check_passes(capsys):
+    rc = compile_check.main([])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "sm_120" in out and "mtv_fwd_kernel" in out
