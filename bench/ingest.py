@@ -185,6 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=30, help="batches per client")
     ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating raw/HTTP rounds; medians reported")
     ap.add_argument("--pg", default=PG_DEFAULT)
     ap.add_argument("--no-pg", action="store_true")
     args = ap.parse_args()
@@ -193,30 +194,36 @@ def main() -> None:
     lines = []
     targets = [("sqlite", None)] + ([] if args.no_pg else [("postgresql", args.pg)])
     for name, admin in targets:
-        with tempfile.TemporaryDirectory() as tmp:
-            drop = None
-            try:
-                if admin is None:
-                    raw_url, http_url = f"sqlite:///{tmp}/raw.db", f"sqlite:///{tmp}/http.db"
-                else:
-                    raw_url, drop_raw = pg_fresh(admin)
-                    http_url, drop_http = pg_fresh(admin)
-
-                    def drop(a=drop_raw, b=drop_http) -> None:
-                        a()
-                        b()
-            except Exception as exc:
-                print(f"{name}: skipped ({exc})")
-                continue
-            try:
-                raw = raw_rate(raw_url, data)
-                rate, p50, p99 = http_rate(http_url, data, args.clients)
-            finally:
-                if drop:
-                    drop()
-        ratio = rate / raw
+        raws, rates, p50s, p99s = [], [], [], []
+        # alternate raw and HTTP rounds so that both see the same machine load; report medians
+        for _ in range(args.rounds):
+            with tempfile.TemporaryDirectory() as tmp:
+                drops = []
+                try:
+                    if admin is None:
+                        raw_url, http_url = f"sqlite:///{tmp}/raw.db", f"sqlite:///{tmp}/http.db"
+                    else:
+                        raw_url, d1 = pg_fresh(admin)
+                        http_url, d2 = pg_fresh(admin)
+                        drops = [d1, d2]
+                except Exception as exc:
+                    print(f"{name}: skipped ({exc})")
+                    break
+                try:
+                    raws.append(raw_rate(raw_url, data))
+                    rate, p50, p99 = http_rate(http_url, data, args.clients)
+                    rates.append(rate)
+                    p50s.append(p50)
+                    p99s.append(p99)
+                finally:
+                    for drop in drops:
+                        drop()
+        if not rates:
+            continue
+        raw, rate = float(np.median(raws)), float(np.median(rates))
+        ratio = float(np.median(np.array(rates) / np.array(raws)))
         lines.append(f"| {name} | {per} | {args.clients} | {rate:,.0f} | {raw:,.0f} | {ratio:.2f} | "
-                     f"{p50:.1f} | {p99:.1f} |")
+                     f"{np.median(p50s):.1f} | {np.median(p99s):.1f} |")
         print(lines[-1], flush=True)
     header = ("| database | samples/batch | clients | HTTP records/s | raw insert rows/s | HTTP/raw | "
               "p50 batch ms | p99 batch ms |\n|---|---|---|---|---|---|---|---|")

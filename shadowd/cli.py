@@ -85,6 +85,18 @@ def readiness(
     raise typer.Exit(readiness_command(url, run, wait, token))
 
 
+@app.command()
+def selftest(
+    quick: Annotated[bool, typer.Option("--quick", help="three cases instead of the full sweep")] = False,
+    seed: Annotated[int, typer.Option(help="seed of the random part of the sweep")] = 7,
+) -> None:
+    """Build the candidate kernel on this GPU and check it against the fp64 oracle (and SGLang's Triton
+    kernel when installed) over a shape sweep, with timings. Exit 0 only when every case passes."""
+    from shadowd.selftest import selftest_main
+
+    raise typer.Exit(selftest_main(quick=quick, seed=seed, echo=typer.echo))
+
+
 @db_app.command("upgrade")
 def db_upgrade(db: DbOption = None, revision: str = "head") -> None:
     """Apply migrations (creates the schema on an empty database)."""

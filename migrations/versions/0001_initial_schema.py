@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 20:22:06.940030
+Create Date: 2026-11-29 20:56:40.049065
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def upgrade() -> None:
     sa.Column('n_samples', sa.Integer(), nullable=False),
     sa.Column('received_at', sa.Float(), nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'producer', 'seq')
+    sa.PrimaryKeyConstraint('run_id', 'producer', 'seq'),
+    sqlite_with_rowid=False
     )
     op.create_table('evaluations',
     sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
@@ -94,7 +95,8 @@ def upgrade() -> None:
     sa.Column('disabled', sa.BigInteger(), server_default='0', nullable=False),
     sa.Column('device_errors', sa.BigInteger(), server_default='0', nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'producer')
+    sa.PrimaryKeyConstraint('run_id', 'producer'),
+    sqlite_with_rowid=False
     )
     op.create_table('rollup_cells',
     sa.Column('run_id', sa.BigInteger(), nullable=False),
@@ -129,7 +131,8 @@ def upgrade() -> None:
     sa.Column('first_ts', sa.Float(), nullable=False),
     sa.Column('last_ts', sa.Float(), nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'layer', 'bs_bucket', 't_bucket', 'prefix_bucket', 'heads')
+    sa.PrimaryKeyConstraint('run_id', 'layer', 'bs_bucket', 't_bucket', 'prefix_bucket', 'heads'),
+    sqlite_with_rowid=False
     )
     op.create_table('rollup_hist',
     sa.Column('run_id', sa.BigInteger(), nullable=False),
@@ -138,7 +141,8 @@ def upgrade() -> None:
     sa.Column('bin', sa.Integer(), nullable=False),
     sa.Column('count', sa.BigInteger(), server_default='0', nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'layer', 'stat', 'bin')
+    sa.PrimaryKeyConstraint('run_id', 'layer', 'stat', 'bin'),
+    sqlite_with_rowid=False
     )
     op.create_table('rollup_steps',
     sa.Column('run_id', sa.BigInteger(), nullable=False),
@@ -147,7 +151,8 @@ def upgrade() -> None:
     sa.Column('exceeded', sa.Integer(), server_default='0', nullable=False),
     sa.Column('first_ts', sa.Float(), nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'step')
+    sa.PrimaryKeyConstraint('run_id', 'step'),
+    sqlite_with_rowid=False
     )
     op.create_table('rollup_time',
     sa.Column('run_id', sa.BigInteger(), nullable=False),
@@ -177,7 +182,8 @@ def upgrade() -> None:
     sa.Column('max_oracle_base', sa.Float(), server_default='0', nullable=False),
     sa.Column('max_oracle_ratio', sa.Float(), server_default='0', nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'layer', 't')
+    sa.PrimaryKeyConstraint('run_id', 'layer', 't'),
+    sqlite_with_rowid=False
     )
     op.create_table('samples',
     sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),

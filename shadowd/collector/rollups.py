@@ -18,7 +18,7 @@ from shadowd.collector.batch import ValidBatch
 from shadowd.judge.bins import HIST_STATS, stat_bins
 from shadowd.judge.policy import Policy
 
-__all__ = ["COUNTERS", "HIST_STATS", "MAXES", "SUMS", "Deltas", "compute_deltas"]
+__all__ = ["COUNTERS", "HIST_STATS", "MAXES", "SUMS", "Deltas", "Rows", "compute_deltas"]
 
 COUNTERS = ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "numel",
             "n_oracle", "n_timed")
@@ -28,13 +28,28 @@ MAXES = ("max_max_abs", "max_rel_l2", "max_cos_diff", "max_max_rel", "max_scaled
 
 
 @dataclass
+class Rows:
+    """Rows for one table: column names and one tuple per row (ready for executemany)."""
+
+    cols: tuple[str, ...]
+    rows: list[tuple[Any, ...]]
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.cols, r, strict=True)) for r in self.rows]
+
+
+def _rows(columns: dict[str, list[Any]]) -> Rows:
+    return Rows(tuple(columns), list(zip(*columns.values(), strict=True)))
+
+
+@dataclass
 class Deltas:
     """Everything one batch adds to the rollups."""
 
-    cells: list[dict[str, Any]]
-    slots: list[dict[str, Any]]
-    hists: list[dict[str, Any]]
-    steps: list[dict[str, Any]]
+    cells: Rows
+    slots: Rows
+    hists: Rows
+    steps: Rows
     run: dict[str, Any]
     exceeded: np.ndarray
     derived: dict[str, np.ndarray]
@@ -63,16 +78,23 @@ def _group(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(cols[::-1], axis=1), inverse.reshape(-1)
 
 
+def _group_reduce(ufunc: np.ufunc, inv: np.ndarray, g: int, values: np.ndarray) -> np.ndarray:
+    """Per-group ``ufunc.reduce`` of ``values`` (every group 0..g-1 must be present in ``inv``)."""
+    order = np.argsort(inv, kind="stable")
+    starts = np.searchsorted(inv[order], np.arange(g))
+    return ufunc.reduceat(values[order], starts)  # type: ignore[no-any-return]
+
+
 def _aggregate(inv: np.ndarray, g: int, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name in COUNTERS:
         out[name] = np.bincount(inv, weights=m[name], minlength=g).round().astype(np.int64)
     for name in SUMS:
         out[name] = np.bincount(inv, weights=m[name], minlength=g)
+    order = np.argsort(inv, kind="stable")
+    starts = np.searchsorted(inv[order], np.arange(g))
     for name in MAXES:
-        acc = np.zeros(g)
-        np.fmax.at(acc, inv, m[name])
-        out[name] = acc
+        out[name] = np.fmax.reduceat(m[name][order], starts)
     return out
 
 
@@ -139,32 +161,25 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
     heads = c["heads"]
     ts = c["ts"]
 
-    cells: list[dict[str, Any]] = []
     uniq, inv = _group([layer, bs_b, t_b, p_b, heads])
-    agg = _aggregate(inv, len(uniq), m)
-    first = np.full(len(uniq), np.inf)
-    last = np.full(len(uniq), -np.inf)
-    np.fmin.at(first, inv, ts)
-    np.fmax.at(last, inv, ts)
-    agg_lists = {k: v.tolist() for k, v in agg.items()}
-    first_l, last_l = first.tolist(), last.tolist()
-    for i, key in enumerate(uniq.tolist()):
-        row = {"run_id": run_id, "layer": key[0], "bs_bucket": key[1], "t_bucket": key[2],
-               "prefix_bucket": key[3], "heads": key[4], "first_ts": first_l[i], "last_ts": last_l[i]}
-        row.update({k: v[i] for k, v in agg_lists.items()})
-        cells.append(row)
+    g = len(uniq)
+    agg = _aggregate(inv, g, m)
+    cells = _rows({
+        "run_id": [run_id] * g,
+        **{k: uniq[:, i].tolist() for i, k in enumerate(("layer", "bs_bucket", "t_bucket", "prefix_bucket", "heads"))},
+        **{k: v.tolist() for k, v in agg.items()},
+        "first_ts": _group_reduce(np.fmin, inv, g, ts).tolist(),
+        "last_ts": _group_reduce(np.fmax, inv, g, ts).tolist(),
+    })
 
-    slots: list[dict[str, Any]] = []
     tb = (np.floor(ts / time_bucket_s) * time_bucket_s).astype(np.int64)
     uniq, inv = _group([layer, tb])
-    agg = _aggregate(inv, len(uniq), m)
-    agg_lists = {k: v.tolist() for k, v in agg.items()}
-    for i, key in enumerate(uniq.tolist()):
-        row = {"run_id": run_id, "layer": key[0], "t": key[1]}
-        row.update({k: v[i] for k, v in agg_lists.items()})
-        slots.append(row)
+    g = len(uniq)
+    agg = _aggregate(inv, g, m)
+    slots = _rows({"run_id": [run_id] * g, "layer": uniq[:, 0].tolist(), "t": uniq[:, 1].tolist(),
+                   **{k: v.tolist() for k, v in agg.items()}})
 
-    hists: list[dict[str, Any]] = []
+    hist_cols: dict[str, list[Any]] = {"run_id": [], "layer": [], "stat": [], "bin": [], "count": []}
     for stat, values, mask in (
         ("max_abs", c["max_abs"], None),
         ("rel_l2", c["rel_l2"], None),
@@ -176,19 +191,24 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
         if not sel.any():
             continue
         uniq, inv = _group([layer[sel], stat_bins(values[sel])])
-        counts = np.bincount(inv, minlength=len(uniq))
-        for (lay, bn), cnt in zip(uniq.tolist(), counts.tolist(), strict=True):
-            hists.append({"run_id": run_id, "layer": lay, "stat": stat, "bin": bn, "count": cnt})
+        g = len(uniq)
+        hist_cols["run_id"] += [run_id] * g
+        hist_cols["layer"] += uniq[:, 0].tolist()
+        hist_cols["stat"] += [stat] * g
+        hist_cols["bin"] += uniq[:, 1].tolist()
+        hist_cols["count"] += np.bincount(inv, minlength=g).tolist()
+    hists = _rows(hist_cols)
 
-    steps: list[dict[str, Any]] = []
     uniq_steps, inv = np.unique(c["step"], return_inverse=True)
-    n_calls = np.bincount(inv, minlength=len(uniq_steps))
-    step_exc = np.bincount(inv, weights=exceeded.astype(np.float64), minlength=len(uniq_steps)) > 0
-    step_first = np.full(len(uniq_steps), np.inf)
-    np.fmin.at(step_first, inv, ts)
-    for i, s in enumerate(uniq_steps.tolist()):
-        steps.append({"run_id": run_id, "step": s, "n_calls": int(n_calls[i]),
-                      "exceeded": int(step_exc[i]), "first_ts": float(step_first[i])})
+    inv = inv.reshape(-1)
+    g = len(uniq_steps)
+    steps = _rows({
+        "run_id": [run_id] * g,
+        "step": uniq_steps.tolist(),
+        "n_calls": np.bincount(inv, minlength=g).tolist(),
+        "exceeded": (np.bincount(inv, weights=exceeded.astype(np.float64), minlength=g) > 0).astype(int).tolist(),
+        "first_ts": _group_reduce(np.fmin, inv, g, ts).tolist(),
+    })
 
     rank0_layer0 = (c["rank"] == 0) & (layer == 0)
     run = {

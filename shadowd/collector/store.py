@@ -19,7 +19,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from shadowd.collector import tables as t
 from shadowd.collector.batch import BadBatch, ValidBatch
-from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, compute_deltas
+from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, Rows, compute_deltas
 from shadowd.judge.policy import Policy
 
 __all__ = ["Conflict", "IngestResult", "Store", "UnknownRun"]
@@ -91,14 +91,13 @@ class Store:
     def _least(self, a: Any, b: Any) -> Any:
         return func.least(a, b) if self.dialect == "postgresql" else func.min(a, b)
 
-    def _upsert(self, conn: Connection, table: Table, rows: list[dict[str, Any]], keys: tuple[str, ...],
+    def _upsert(self, conn: Connection, table: Table, rows: Rows, keys: tuple[str, ...],
                 add: tuple[str, ...] = (), greatest: tuple[str, ...] = (), least: tuple[str, ...] = ()) -> None:
         """INSERT ... ON CONFLICT DO UPDATE with increments, as one driver-level executemany."""
-        if not rows:
+        if not rows.rows:
             return
-        cols = list(rows[0])
-        sql = self._upsert_sql(table, tuple(cols), keys, add, greatest, least)
-        conn.exec_driver_sql(sql, [tuple(r[c] for c in cols) for r in rows])
+        sql = self._upsert_sql(table, rows.cols, keys, add, greatest, least)
+        conn.exec_driver_sql(sql, rows.rows)
 
     def _upsert_sql(self, table: Table, cols: tuple[str, ...], keys: tuple[str, ...], add: tuple[str, ...],
                     greatest: tuple[str, ...], least: tuple[str, ...]) -> str:
@@ -255,7 +254,8 @@ class Store:
     def _sample_rows(self, run_id: int, b: ValidBatch, exceeded: np.ndarray) -> list[tuple[Any, ...]]:
         c = b.cols
         n = b.n
-        hist = np.ascontiguousarray(c["hist"], dtype="<i8")
+        buf = np.ascontiguousarray(c["hist"], dtype="<i8").tobytes()
+        w = len(buf) // n if n else 0
         columns: list[list[Any]] = [
             [run_id] * n, [b.producer] * n, c["rank"].tolist(), c["layer"].tolist(), c["step"].tolist(),
             c["call"].tolist(), c["ts"].tolist(), c["batch_size"].tolist(), c["draft_tokens"].tolist(),
@@ -263,7 +263,7 @@ class Store:
             c["mean_abs"].tolist(), c["max_rel"].tolist(), c["rel_l2"].tolist(), c["cos_diff"].tolist(),
             c["out_scale"].tolist(), c["nan_base"].tolist(), c["inf_base"].tolist(), c["nan_cand"].tolist(),
             c["inf_cand"].tolist(), c["cand_nonfinite"].tolist(), c["base_nonfinite"].tolist(),
-            [row.tobytes() for row in hist], c["error"], c["mode"], c["oracle_cand_err"].tolist(),
+            [buf[i:i + w] for i in range(0, len(buf), w)], c["error"], c["mode"], c["oracle_cand_err"].tolist(),
             c["oracle_base_err"].tolist(), c["cand_us"].tolist(), c["base_us"].tolist(),
             c["new_requests"].tolist(), exceeded.astype(np.int64).tolist(),
         ]

@@ -1,6 +1,7 @@
 """The collector's schema (SQLAlchemy Core). Changes go through Alembic (migrations/) only.
 
-Raw ``samples`` are kept for a retention period; everything the read API, the metrics and
+Rollup tables are clustered on their keys (WITHOUT ROWID on SQLite): every write is an
+upsert by key. Raw ``samples`` are kept for a retention period; everything the read API, the metrics and
 the judge use lives in the rollup tables, which ingest keeps current with atomic
 increments (``INSERT ... ON CONFLICT DO UPDATE SET n = n + excluded.n``), so two
 collectors writing into one PostgreSQL lose nothing and no summary scans raw samples.
@@ -104,6 +105,7 @@ producers = Table(
     _counter("fallback"),
     _counter("disabled"),
     _counter("device_errors"),
+    sqlite_with_rowid=False
 )
 
 batches = Table(
@@ -115,6 +117,7 @@ batches = Table(
     Column("digest", String(64), nullable=False),
     Column("n_samples", Integer, nullable=False),
     Column("received_at", Float, nullable=False),
+    sqlite_with_rowid=False
 )
 
 samples = Table(
@@ -187,6 +190,7 @@ cells = Table(
     *(_fmax(c) for c in _cell_maxes),
     Column("first_ts", Float, nullable=False),
     Column("last_ts", Float, nullable=False),
+    sqlite_with_rowid=False
 )
 
 timeslots = Table(
@@ -198,6 +202,7 @@ timeslots = Table(
     *(_counter(c) for c in _cell_counters),
     *(_fmax(c) for c in _cell_sums),
     *(_fmax(c) for c in _cell_maxes),
+    sqlite_with_rowid=False
 )
 
 # histograms of per-call statistics, quarter-octave bins (see rollups.stat_bins)
@@ -209,6 +214,7 @@ hists = Table(
     Column("stat", String(16), primary_key=True),
     Column("bin", Integer, primary_key=True),
     _counter("count"),
+    sqlite_with_rowid=False
 )
 
 steps = Table(
@@ -219,6 +225,7 @@ steps = Table(
     _counter("n_calls"),
     Column("exceeded", Integer, nullable=False, server_default="0"),
     Column("first_ts", Float, nullable=False),
+    sqlite_with_rowid=False
 )
 
 evaluations = Table(

@@ -1,0 +1,145 @@
+"""``shadowd selftest``: step 1 of the cutover, on the GPU the candidate will serve.
+
+Builds the candidate kernel, runs it against the float64 oracle over a shape sweep (batches
+with mixed prefix lengths including 0 and 1, tree sizes 1..257, heads 1..128, random / chain /
+star trees and causal masks, unit and peaky logits), compares it with SGLang's Triton kernel
+where that is importable (the FlashAttention rule with a bf16-ulp floor, else a fixed bf16
+tolerance; cosine difference ≤ 5e-6 always; non-finite positions equal the oracle's), times
+both, and passes only when every case passes.
+
+The sweep itself is device-agnostic: ``run_selftest`` takes the candidate as a function, so the
+same code is exercised on the CPU with a CPU implementation.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CaseResult", "SelftestReport", "default_sweep", "run_selftest", "selftest_main"]
+
+Candidate = Callable[..., torch.Tensor]
+
+
+@dataclass
+class CaseResult:
+    desc: str
+    passed: bool
+    info: dict[str, Any]
+    cand_us: float | None = None
+    triton_us: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class SelftestReport:
+    device: str
+    results: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+
+def default_sweep(quick: bool = False, max_prefix: int = 3000, seed: int = 7) -> list[dict[str, Any]]:
+    """The sweep's case specs (``mla_tree_verify.testing.make_case`` keyword sets)."""
+    from mla_tree_verify import testing
+
+    fixed: list[dict[str, Any]] = [
+        {"prefix_lens": [0, 1, 37], "tree_sizes": [1, 8, 16], "heads": 8, "tree_kind": "random"},
+        {"prefix_lens": [4096], "tree_sizes": [257], "heads": 8, "tree_kind": "wide"},
+        {"prefix_lens": [2048, 0], "tree_sizes": [64, 64], "heads": 64, "tree_kind": "chain"},
+        {"prefix_lens": [1000], "tree_sizes": [16], "heads": 128, "tree_kind": "star", "logit_std": 8.0},
+        {"prefix_lens": [513, 9], "tree_sizes": [13, 7], "heads": 16, "use_mask": False},
+    ]
+    if quick:
+        return fixed[:3]
+    return fixed + testing.random_case_specs(seed, 12, max_prefix=max_prefix)
+
+
+def _time_us(fn: Callable[[], Any], device: torch.device, reps: int = 10) -> float:
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def run_selftest(candidate: Candidate, device: str | torch.device, specs: list[dict[str, Any]],
+                 echo: Callable[[str], None] = print, use_triton: bool | None = None,
+                 time_it: bool = True) -> SelftestReport:
+    """Run ``candidate`` (tree_verify's signature) over ``specs`` against the oracle (and Triton)."""
+    from mla_tree_verify import oracle, testing
+
+    dev = torch.device(device)
+    if use_triton is None:
+        use_triton = dev.type == "cuda" and testing.sglang_triton_available()
+    report = SelftestReport(device=str(dev))
+    for i, spec in enumerate(specs, 1):
+        case = testing.make_case(**{"seed": i, **spec}, device=dev)
+        try:
+            ref = oracle.attention(*case.args(), dtype=torch.float64)
+            out = candidate(*case.args(), max_q_len=case.max_q_len)
+            tri = testing.run_sglang_triton(case) if use_triton else None
+            ok, info = testing.pass_rule(out, ref, tri)
+            res = CaseResult(case.desc, ok, info)
+            if time_it:
+                res.cand_us = _time_us(lambda c=case: candidate(*c.args(), max_q_len=c.max_q_len), dev)
+                if use_triton:
+                    res.triton_us = _time_us(lambda c=case: testing.run_sglang_triton(c), dev)
+        except Exception as exc:  # a crashing case is a failed case, reported, and the sweep goes on
+            res = CaseResult(case.desc, False, {}, error=f"{type(exc).__name__}: {exc}")
+        report.results.append(res)
+        echo(_line(i, len(specs), res))
+    return report
+
+
+def _line(i: int, n: int, r: CaseResult) -> str:
+    status = "PASS" if r.passed else "FAIL"
+    if r.error:
+        return f"[{i:2d}/{n}] {status} {r.desc}: {r.error}"
+    timing = ""
+    if r.cand_us is not None:
+        timing = f"  cand {r.cand_us:9.1f} µs"
+        if r.triton_us is not None:
+            timing += f"  triton {r.triton_us:9.1f} µs  ×{r.triton_us / max(r.cand_us, 1e-9):6.1f}"
+    nan = float("nan")
+    errs = f"max|c-o| {r.info.get('cand_max_abs', nan):.2e} relL2 {r.info.get('cand_rel_l2', nan):.2e}"
+    return f"[{i:2d}/{n}] {status} {r.desc}  {errs}{timing}"
+
+
+def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None] = print) -> int:
+    """The CLI: 0 when every case passes on this machine's GPU, 1 when any fails, 2 without CUDA."""
+    if not torch.cuda.is_available():
+        echo("selftest needs a CUDA GPU: run it on the machine the candidate will serve on")
+        return 2
+    import mla_tree_verify
+    from mla_tree_verify._build import build
+
+    name = torch.cuda.get_device_name()
+    cap = torch.cuda.get_device_capability()
+    echo(f"GPU: {name} (sm_{cap[0]}{cap[1]}); building the kernel (cached after the first time)...")
+    try:
+        echo(f"kernel library: {build()}")
+    except RuntimeError as exc:
+        echo(f"kernel build failed: {exc}")
+        return 1
+    report = run_selftest(mla_tree_verify.tree_verify, "cuda", default_sweep(quick, seed=seed), echo)
+    failed = [r for r in report.results if not r.passed]
+    echo(f"{len(report.results) - len(failed)}/{len(report.results)} cases passed on {name}")
+    return 0 if report.passed else 1

@@ -1,0 +1,56 @@
+"""The selftest sweep on the CPU: a correct implementation passes, a wrong one fails, no GPU refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mla_tree_verify import reference  # noqa: E402
+
+from shadowd.selftest import default_sweep, run_selftest, selftest_main  # noqa: E402
+
+SMALL = [
+    {"prefix_lens": [0, 1, 37], "tree_sizes": [1, 8, 5], "heads": 4, "tree_kind": "random"},
+    {"prefix_lens": [200], "tree_sizes": [33], "heads": 2, "tree_kind": "star", "logit_std": 8.0},
+    {"prefix_lens": [64, 3], "tree_sizes": [6, 9], "heads": 3, "use_mask": False},
+]
+
+
+def _correct(*args, max_q_len=None):
+    return reference.attention(*args)
+
+
+def test_a_correct_cpu_implementation_passes_the_sweep():
+    lines = []
+    report = run_selftest(_correct, "cpu", SMALL, echo=lines.append, time_it=False)
+    assert report.passed, lines
+    assert len(lines) == len(SMALL) and all("PASS" in line for line in lines)
+
+
+def test_a_biased_or_crashing_candidate_fails():
+    def biased(*args, max_q_len=None):
+        return reference.attention(*args) + 0.05
+
+    def crashing(*args, max_q_len=None):
+        raise RuntimeError("illegal memory access")
+
+    assert not run_selftest(biased, "cpu", SMALL[:1], echo=lambda s: None, time_it=False).passed
+    lines = []
+    report = run_selftest(crashing, "cpu", SMALL[:2], echo=lines.append, time_it=False)
+    assert not report.passed and len(report.results) == 2 and "illegal memory access" in lines[0]
+
+
+def test_sweep_covers_the_contract_shapes():
+    specs = default_sweep()
+    assert any(257 in s["tree_sizes"] for s in specs)
+    assert any(0 in s["prefix_lens"] for s in specs) and any(1 in s["prefix_lens"] for s in specs)
+    assert any(s.get("use_mask") is False for s in specs)
+    assert max(s["heads"] for s in specs) >= 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_selftest_without_cuda_exits_2():
+    lines = []
+    assert selftest_main(echo=lines.append) == 2
+    assert "CUDA" in lines[0]
