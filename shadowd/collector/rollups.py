@@ -82,7 +82,7 @@ def _group_reduce(ufunc: np.ufunc, inv: np.ndarray, g: int, values: np.ndarray) 
     """Per-group ``ufunc.reduce`` of ``values`` (every group 0..g-1 must be present in ``inv``)."""
     order = np.argsort(inv, kind="stable")
     starts = np.searchsorted(inv[order], np.arange(g))
-    return ufunc.reduceat(values[order], starts)  # type: ignore[no-any-return]
+    return ufunc.reduceat(values[order], starts)
 
 
 def _aggregate(inv: np.ndarray, g: int, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
