@@ -97,6 +97,34 @@ def selftest(
     raise typer.Exit(selftest_main(quick=quick, seed=seed, echo=typer.echo))
 
 
+@app.command()
+def demo(
+    fault: Annotated[str, typer.Option(help="plant a faulty candidate: none, nan, bias, drift or crash")] = "none",
+    duration: Annotated[float, typer.Option(help="longest workload time in seconds")] = 60.0,
+    layers: Annotated[int, typer.Option(help="layers of the simulated model")] = 8,
+    db: DbOption = None,
+    port: Annotated[int | None, typer.Option(help="collector port (default: a free one)")] = None,
+    keep_serving: Annotated[bool, typer.Option("--keep-serving", help="leave the collector running")] = False,
+) -> None:
+    """Start a collector on SQLite, run a simulated MLA tree-verify workload through the real hook and
+    streamer on the CPU, and print the readiness verdict (judged with the shipped demo policy)."""
+    from shadowd.demo import FAULTS, run_demo
+
+    if fault not in FAULTS:
+        typer.echo(f"--fault must be one of {', '.join(FAULTS)}, got {fault!r}", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(run_demo(fault=fault, db_url=db, port=port, duration=duration, num_layers=layers,
+                              keep_serving=keep_serving))
+
+
+@app.command()
+def replay(bundle: Annotated[Path, typer.Argument(help="a repro bundle directory", exists=True)]) -> None:
+    """Rerun baseline, candidate and oracle on a repro bundle's exact inputs and print the diffs."""
+    from shadowd.hook.replay import format_report, replay_bundle
+
+    typer.echo(format_report(replay_bundle(bundle)))
+
+
 @db_app.command("upgrade")
 def db_upgrade(db: DbOption = None, revision: str = "head") -> None:
     """Apply migrations (creates the schema on an empty database)."""

@@ -13,6 +13,7 @@ same code is exercised on the CPU with a CPU implementation.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -80,6 +81,13 @@ def _time_us(fn: Callable[[], Any], device: torch.device, reps: int = 10) -> flo
     return statistics.median(times)
 
 
+def _bind(fn: Candidate, case: Any) -> Callable[[], Any]:
+    def call() -> Any:
+        return fn(*case.args(), max_q_len=case.max_q_len)
+
+    return call
+
+
 def run_selftest(candidate: Candidate, device: str | torch.device, specs: list[dict[str, Any]],
                  echo: Callable[[str], None] = print, use_triton: bool | None = None,
                  time_it: bool = True) -> SelftestReport:
@@ -99,9 +107,9 @@ def run_selftest(candidate: Candidate, device: str | torch.device, specs: list[d
             ok, info = testing.pass_rule(out, ref, tri)
             res = CaseResult(case.desc, ok, info)
             if time_it:
-                res.cand_us = _time_us(lambda c=case: candidate(*c.args(), max_q_len=c.max_q_len), dev)
+                res.cand_us = _time_us(_bind(candidate, case), dev)
                 if use_triton:
-                    res.triton_us = _time_us(lambda c=case: testing.run_sglang_triton(c), dev)
+                    res.triton_us = _time_us(functools.partial(testing.run_sglang_triton, case), dev)
         except Exception as exc:  # a crashing case is a failed case, reported, and the sweep goes on
             res = CaseResult(case.desc, False, {}, error=f"{type(exc).__name__}: {exc}")
         report.results.append(res)

@@ -1,0 +1,228 @@
+"""GPU benchmark of the fused diff statistics and the hook's per-call overhead (CUDA required).
+
+Measures, with CUDA events (median of repeats):
+* copy bandwidth (device-to-device copy of 1 GiB, read + write bytes);
+* the fused diff pass (two launches) over two bf16 outputs of 64 MiB and 256 MiB each: achieved
+  bandwidth over the bytes of both outputs, as a fraction of the copy bandwidth (goal ≥ 70 %);
+* the same pass per call under a CUDA graph on small outputs (goal ≤ max(4 µs, 2·bytes / copy bw));
+* a naive several-op torch diff pass on 256×64×512 for comparison;
+* hook overhead per call: off and validate (eager, host time) and validate under a graph (device time,
+  graph of baseline+candidate alone vs the whole shadowed call).
+Writes JSON (``--out``) and prints a markdown block; ``--results`` appends it to a results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shadowd.hook.config import HookConfig, Sampling
+from shadowd.hook.device import REC, TILE, _nprog_max, launch_stats
+from shadowd.hook.diffstats import raw_stats_torch
+from shadowd.hook.runtime import HookRuntime
+from shadowd.hook.site import Bucket, ShadowSite
+from shadowd.hook.triton_stats import NPART
+
+
+def cuda_time(fn, reps: int = 20, warm: int = 3) -> float:
+    """Median seconds of fn() by CUDA events."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+class Stats:
+    """Preallocated scratch for standalone fused passes (as the hook keeps per site)."""
+
+    def __init__(self) -> None:
+        dev = torch.device("cuda")
+        self.part = torch.zeros(_nprog_max(dev), NPART, dtype=torch.float64, device=dev)
+        self.rec = torch.zeros(4, REC, dtype=torch.float64, device=dev)
+        self.seq = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.sstate = torch.zeros(16, dtype=torch.int64, device=dev)
+        self.sstate[0] = 1
+        self.dstate = torch.zeros(8, dtype=torch.int64, device=dev)
+
+    def __call__(self, c: torch.Tensor, b: torch.Tensor, tile: tuple[int, int, int] | None = None,
+                 hist: bool = True) -> None:
+        launch_stats(c, b, self.part, self.rec, self.seq, self.sstate, self.dstate, publish=False, tile=tile,
+                     hist=hist)
+
+
+def graph_time(fn, reps: int = 200) -> float:
+    """Seconds per replay of a graph of fn(), timed over ``reps`` back-to-back replays."""
+    return replay_time(make_graph(fn), reps)
+
+
+def make_graph(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def replay_time(g: torch.cuda.CUDAGraph, reps: int = 200) -> float:
+    def many() -> None:
+        for _ in range(reps):
+            g.replay()
+
+    return cuda_time(many, reps=5, warm=1) / reps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--results", default=None, help="markdown file to append to")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    try:
+        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip() or "uncommitted"
+    except OSError:
+        res["commit"] = "unknown"
+    import triton
+
+    res["triton"] = triton.__version__
+    big = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(big)
+    t = cuda_time(lambda d=dst, s=big: d.copy_(s))
+    copy_bw = 2 * big.numel() / t
+    res["copy_bw_GBps"] = copy_bw / 1e9
+    del big, dst
+    st = Stats()
+    res["fused"] = []
+    res["variants"] = []
+    for mib in (64, 256):
+        n = mib * 2**20 // 2
+        b = torch.randn(n, device=dev, dtype=torch.bfloat16)
+        c = b + (1e-2 * torch.randn(n, device=dev)).to(torch.bfloat16)
+        t = cuda_time(lambda c=c, b=b: st(c, b))
+        bw = 2 * n * 2 / t
+        res["fused"].append({"MiB_per_output": mib, "us": t * 1e6, "GBps": bw / 1e9, "frac_of_copy": bw / copy_bw,
+                             "tile": list(TILE)})
+        if mib == 64:  # tile configurations (elements per tile, warps, programs per SM), histogram on/off
+            for tile, hist in (((256, 4, 16), True), ((256, 4, 28), True), ((512, 4, 8), True), ((512, 4, 24), True),
+                               ((1024, 8, 8), True), (TILE, False)):
+                tv = cuda_time(lambda c=c, b=b, tile=tile, hist=hist: st(c, b, tile, hist))
+                res["variants"].append({"tile": list(tile), "hist": hist, "us": tv * 1e6,
+                                        "frac_of_copy": 2 * n * 2 / tv / copy_bw})
+        del b, c
+    res["graph_small"] = []
+    for shape in ((16, 8, 512), (64, 16, 512), (256, 64, 512), (1024, 64, 512)):
+        b = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        c = b + (1e-2 * torch.randn(shape, device=dev)).to(torch.bfloat16)
+        t = graph_time(lambda c=c, b=b: st(c, b))
+        nbytes = 2 * b.numel() * 2
+        goal = max(4e-6, 2 * nbytes / copy_bw)
+        res["graph_small"].append({"shape": list(shape), "bytes_both": nbytes, "us": t * 1e6, "goal_us": goal * 1e6,
+                                   "meets_goal": t <= goal})
+    b = torch.randn(256, 64, 512, device=dev, dtype=torch.bfloat16)
+    c = b + (1e-2 * torch.randn(256, 64, 512, device=dev)).to(torch.bfloat16)
+    res["naive_torch_us_256x64x512"] = cuda_time(lambda: raw_stats_torch(c, b)) * 1e6
+
+    # hook overhead per call
+    x = torch.randn(64, 128, device=dev).to(torch.bfloat16)
+    w = torch.randn(128, 256, device=dev).to(torch.bfloat16)
+    out0 = torch.empty(64, 256, device=dev, dtype=torch.bfloat16)
+
+    def base(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, w, out=out0)
+
+    def cand(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, w)
+
+    def host_us(fn, n: int = 20000) -> float:
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
+    off = ShadowSite("b", base, cand, runtime=HookRuntime(HookConfig(mode="off"), sink=lambda s: None))
+    val = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+    vsite = ShadowSite("b", base, cand, runtime=val)
+    valid = torch.tensor([64], dtype=torch.int32, device=dev)
+    meta = torch.tensor([2, 16, 1000], dtype=torch.int64, device=dev)
+    bucket = Bucket(batch_size=2, draft_tokens=16, prefix_len=1000, heads=8, valid_rows=valid, meta=meta)
+    res["host_us_per_call"] = {
+        "baseline_direct": host_us(lambda: base(x, w)),
+        "off": host_us(lambda: off(x, w, layer=0)),
+        "validate_eager_sampled": host_us(lambda: vsite(x, w, layer=0, bucket=bucket), 5000),
+    }
+    val.device().poll()
+    gv = make_graph(lambda: vsite(x, w, layer=0, bucket=bucket))
+    res["graph_us_per_call"] = {
+        "baseline+candidate": graph_time(lambda: (base(x, w), cand(x, w))) * 1e6,
+        "validate_shadowed": replay_time(gv) * 1e6,
+    }
+    val.device().poll()
+    val.set_override("off")  # the same graph, statistics switched off by the kill switch
+    res["graph_us_per_call"]["validate_graph_kill_switch_off"] = replay_time(gv) * 1e6
+    txt = render(res)
+    print(txt)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(txt + "\n")
+    return 0
+
+
+def render(r: dict) -> str:
+    lines = [f"## bench/diffstats.py — {r['date']} — {r['gpu']} — commit {r['commit']} — torch {r['torch']}, "
+             f"triton {r['triton']}", "", f"- copy bandwidth (1 GiB D2D, read+write): {r['copy_bw_GBps']:.0f} GB/s"]
+    for f in r["fused"]:
+        lines.append(f"- fused diff pass, 2 × {f['MiB_per_output']} MiB bf16: {f['us']:.1f} µs, "
+                     f"{f['GBps']:.0f} GB/s = {100 * f['frac_of_copy']:.0f} % of copy (goal ≥ 70 %)")
+    for v in r.get("variants", []):
+        lines.append(f"  - variant tile {tuple(v['tile'])} hist={v['hist']}: {v['us']:.1f} µs = "
+                     f"{100 * v['frac_of_copy']:.0f} % of copy")
+    for g in r["graph_small"]:
+        lines.append(f"- under a graph, output {tuple(g['shape'])} bf16: {g['us']:.2f} µs per call "
+                     f"(goal ≤ {g['goal_us']:.2f} µs: {'met' if g['meets_goal'] else 'NOT met'})")
+    lines.append(f"- naive torch diff pass (several ops) on 256×64×512: {r['naive_torch_us_256x64x512']:.0f} µs")
+    h = r["host_us_per_call"]
+    lines.append(f"- host time per call: baseline alone {h['baseline_direct']:.2f} µs, off {h['off']:.2f} µs "
+                 f"(overhead {h['off'] - h['baseline_direct']:.2f} µs), validate sampled eager "
+                 f"{h['validate_eager_sampled']:.1f} µs")
+    g = r["graph_us_per_call"]
+    lines.append(f"- device time per call under a graph: baseline+candidate {g['baseline+candidate']:.2f} µs, "
+                 f"shadowed validate {g['validate_shadowed']:.2f} µs (overhead "
+                 f"{g['validate_shadowed'] - g['baseline+candidate']:.2f} µs), kill switch off "
+                 f"{g['validate_graph_kill_switch_off']:.2f} µs")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""CPU benchmark of the hook's per-call cost on the serving thread (goal: off-mode overhead < 2 µs).
+
+Measures (best of 5 repeats, per call):
+* the baseline called directly vs through ``ShadowSite`` in ``off`` mode — the off-mode overhead;
+* validate mode on an unsampled step (the sampling decision only);
+* the enqueue cost: ``Streamer.submit`` of one sample (``put_nowait``), sender thread running;
+* a full validate call on tiny tensors (statistics on the calling thread, CPU path).
+Appends a markdown block to ``bench/results/hook-<date>.md`` (``--no-write`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shadowd.client import CollectorClient
+from shadowd.hook.config import HookConfig, Sampling
+from shadowd.hook.runtime import HookRuntime
+from shadowd.hook.site import ShadowSite
+from shadowd.hook.spool import Spool
+from shadowd.hook.streamer import Streamer
+
+
+def per_call(fn, n: int) -> float:
+    """Best-of-5 seconds per call of fn() over n calls."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    x = torch.zeros(4, 4)
+    out = torch.zeros(4, 4)
+
+    def base(x: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def cand(x: torch.Tensor) -> torch.Tensor:
+        return out
+
+    off = ShadowSite("b", base, cand, runtime=HookRuntime(HookConfig(mode="off"), sink=lambda s: None))
+    unsampled = ShadowSite("b", base, cand, runtime=HookRuntime(
+        HookConfig(mode="validate", sampling=Sampling(10**9)), sink=lambda s: None))
+    n = 200_000
+    direct = per_call(lambda: base(x), n)
+    off_t = per_call(lambda: off(x, layer=0), n)
+    uns_t = per_call(lambda: unsampled(x, layer=0), n)
+    with tempfile.TemporaryDirectory() as tmp:
+        client = CollectorClient("http://127.0.0.1:9", timeout=0.5)  # nothing listens: everything spools
+        st = Streamer(client, 1, Spool(Path(tmp), 2**20), queue_max=10**7).start()
+        sample = dict.fromkeys(("layer", "rank", "step", "call", "batch_size", "draft_tokens", "prefix_len",
+                                "heads", "numel", "nan_base", "inf_base", "nan_cand", "inf_cand",
+                                "cand_nonfinite", "base_nonfinite"), 1)
+        sample.update(dict.fromkeys(("ts", "max_abs", "mean_abs", "max_rel", "rel_l2", "cos_diff", "out_scale"), 0.0))
+        sample["hist"] = [0] * 40
+        enq = per_call(lambda: st.submit(sample), 100_000)
+        st._stop.set()
+    full_rt = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+    xs = torch.randn(16, 64).to(torch.bfloat16)
+    full = ShadowSite("b", lambda a: a * 2, lambda a: a + a, runtime=full_rt)
+    full_t = per_call(lambda: full(xs, layer=0), 2000)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
+    except OSError:
+        commit = "unknown"
+    now = datetime.datetime.now(datetime.UTC)
+    md = (f"## bench/hook_overhead.py — {now:%Y-%m-%d %H:%M} UTC — {platform.processor() or platform.machine()}, "
+          f"{__import__('os').cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__} — "
+          f"commit {commit}\n\n"
+          f"- baseline called directly: {direct * 1e6:.3f} µs per call\n"
+          f"- through ShadowSite, mode off: {off_t * 1e6:.3f} µs → off-mode overhead "
+          f"{(off_t - direct) * 1e6:.3f} µs per call (goal < 2 µs)\n"
+          f"- validate, unsampled step: {uns_t * 1e6:.3f} µs (overhead {(uns_t - direct) * 1e6:.3f} µs)\n"
+          f"- enqueue (Streamer.submit, put_nowait) with the sender running: {enq * 1e6:.3f} µs per sample\n"
+          f"- full validate call, 16×64 bf16, statistics on the CPU: {full_t * 1e6:.1f} µs per call\n")
+    print(md)
+    if not args.no_write:
+        path = Path(__file__).parent / "results" / f"hook-{now:%Y-%m-%d}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(md + "\n")
+        print(f"appended to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

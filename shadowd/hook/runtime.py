@@ -1,0 +1,177 @@
+"""The per-process hook state: configuration, effective mode (kill switch), counters, sample sink.
+
+One :class:`HookRuntime` per process (:func:`get_runtime` builds it from the environment on
+first use); every :class:`shadowd.hook.site.ShadowSite` of the process shares it. It owns:
+
+* the **effective mode**: the configured mode lowered by the collector's kill switch
+  (``mode_override``: ``validate`` or ``off``), mirrored into pinned host memory that the
+  device control kernel reads on every call (so it reaches captured graphs too);
+* the sticky process-wide ``disabled`` (candidate errors) and ``fallback`` (on-mode hard
+  failure) flags, reported in every batch's ``producer_stats``;
+* the verify-step counter (advanced by the first layer's call) and the sampling decisions;
+* the sink: a :class:`shadowd.hook.streamer.Streamer` when a collector is configured, or any
+  callable (tests, demos).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from shadowd.hook.config import MODE_CODE, MODES, HookConfig
+
+__all__ = ["HookRuntime", "get_runtime", "set_runtime"]
+
+log = logging.getLogger("shadowd.hook")
+
+_LOCK = threading.Lock()
+_RUNTIME: HookRuntime | None = None
+
+
+class HookRuntime:
+    """Process-wide hook state (see the module docstring)."""
+
+    def __init__(self, config: HookConfig | None = None,
+                 sink: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.config = config or HookConfig.from_env()
+        self.sink = sink
+        self.override: str | None = None
+        self.mode = self.config.mode
+        self.mode_code = MODE_CODE[self.mode]
+        self.disabled = False
+        self.fallback = False
+        self.fallback_reason: str | None = None
+        self.disabled_reason: str | None = None
+        self.device_errors = 0
+        self.step = 0
+        self.calls = 0
+        self.emitted = 0
+        self.sink_errors = 0
+        self.run_id: int | None = None
+        self.streamer: Any = None
+        self._device: Any = None  # shadowd.hook.device.DeviceState, created on the first CUDA call
+
+    # ---- mode and sticky states ----------------------------------------------------------------
+    def set_override(self, override: str | None) -> None:
+        """Apply the collector's kill switch (``None`` clears it); takes effect on the next call."""
+        if override is not None and override not in MODES:
+            log.warning("shadowd: ignoring unknown mode_override %r", override)
+            return
+        self.override = override
+        mode = self.config.mode
+        if override is not None and MODE_CODE[override] < MODE_CODE[mode]:
+            mode = override
+        if mode != self.mode:
+            log.warning("shadowd: mode %s -> %s (kill switch %r)", self.mode, mode, override)
+        self.mode = mode
+        self.mode_code = MODE_CODE[mode]
+        self._sync_device()
+
+    def disable(self, reason: str) -> None:
+        if not self.disabled:
+            log.error("shadowd: candidate disabled for this process: %s", reason)
+        self.disabled = True
+        self.disabled_reason = self.disabled_reason or reason
+        self._sync_device()
+
+    def fall_back(self, reason: str) -> None:
+        if not self.fallback:
+            log.error("shadowd: on-mode fell back to the baseline for this process: %s", reason)
+        self.fallback = True
+        self.fallback_reason = self.fallback_reason or reason
+        self._sync_device()
+
+    def _sync_device(self) -> None:
+        if self._device is not None:
+            self._device.sync_host_control(self)
+
+    def producer_stats(self) -> dict[str, int]:
+        return {"fallback": int(self.fallback), "disabled": int(self.disabled),
+                "device_errors": int(self.device_errors)}
+
+    # ---- per-step decisions --------------------------------------------------------------------
+    def sampled(self, step: int) -> bool:
+        """Whether validate mode shadows this step (whole steps: every layer of a sampled step)."""
+        s = self.config.sampling
+        if s.fraction is not None:
+            return ((step * 2654435761) & 0xFFFFFFFF) < s.fraction * 2**32
+        return step % s.every == 0
+
+    def spot_checked(self, step: int) -> bool:
+        return step % self.config.spot_every == 0
+
+    # ---- samples -------------------------------------------------------------------------------
+    def emit(self, sample: dict[str, Any]) -> None:
+        """Hand one sample to the sink without waiting (the streamer's submit is put_nowait)."""
+        self.emitted += 1
+        sink = self.sink
+        if sink is None and self.streamer is not None:
+            sink = self.streamer.submit
+        if sink is not None:
+            sink(sample)
+
+    def device(self) -> Any:
+        """The shared device state (lazily; needs CUDA and Triton). Its ring is drained by the streamer's
+        thread when one is attached, else by :meth:`drain_device`."""
+        if self._device is None:
+            from shadowd.hook.device import DeviceState
+
+            self._device = DeviceState(self)
+            self._device.sync_host_control(self)
+            if self.streamer is not None:
+                self.streamer.pollers.append(self._device.poll)
+        return self._device
+
+    def drain_device(self) -> int:
+        """Move published GPU records to the sink (when no streamer drains them); returns how many."""
+        if self._device is None or self.streamer is not None:
+            return 0
+        records = self._device.poll()
+        for r in records:
+            self.emit(r)
+        return len(records)
+
+    def start_streaming(self, run: dict[str, Any], client: Any = None) -> Any:
+        """Register ``run`` (``POST /v1/runs``; ``run_key`` defaults to ``SHADOWD_RUN_KEY``) with the collector
+        at ``SHADOWD_URL`` and start the background streamer; returns it. Idempotent per run_key, so every
+        rank may call it. The kill switch of the answer is applied at once."""
+        from shadowd.client import CollectorClient
+        from shadowd.hook.spool import Spool
+        from shadowd.hook.streamer import Streamer
+
+        cfg = self.config
+        if client is None:
+            if not cfg.url:
+                raise ValueError("no collector URL (SHADOWD_URL)")
+            client = CollectorClient(cfg.url, token=cfg.token, timeout=cfg.http_timeout_s)
+        body = dict(run)
+        body.setdefault("run_key", cfg.run_key)
+        answer = client.register_run(body)
+        self.run_id = int(answer["id"])
+        self.set_override(answer.get("mode_override"))
+        streamer = Streamer(client, self.run_id, Spool(cfg.spool_dir, cfg.spool_max_bytes), queue_max=cfg.queue_max,
+                            batch_max=cfg.batch_max, flush_interval_s=cfg.flush_interval_s,
+                            poll_interval_s=cfg.poll_interval_s, on_mode_override=self.set_override,
+                            stats=self.producer_stats)
+        if self._device is not None:
+            streamer.pollers.append(self._device.poll)
+        self.streamer = streamer.start()
+        return streamer
+
+
+def get_runtime() -> HookRuntime:
+    """The process's runtime, built from the environment on first use."""
+    global _RUNTIME
+    with _LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = HookRuntime()
+        return _RUNTIME
+
+
+def set_runtime(runtime: HookRuntime | None) -> None:
+    """Install (or clear) the process's runtime (tests, the demo, the SGLang plugin)."""
+    global _RUNTIME
+    with _LOCK:
+        _RUNTIME = runtime

@@ -1,0 +1,252 @@
+"""One shadowed call site: a baseline and a candidate over the same inputs (the experiment pattern).
+
+``ShadowSite(name, baseline, candidate)(*args, layer=..., bucket=Bucket(...), **kwargs)``:
+
+* **off** — ``baseline(*args, **kwargs)``; one attribute check of overhead.
+* **validate** — the baseline runs and *its* result is returned, bit for bit. On sampled steps
+  the candidate runs on the same inputs; diff statistics go to the sink. Candidate exceptions,
+  NaN/Inf, wrong shape or dtype, modified inputs become samples (``error``), never errors in
+  serving; ``disable_after`` consecutive candidate errors disable it for the process.
+* **on** — the candidate's result is returned; every ``spot_every``-th step both run and are
+  compared; a hard failure (candidate-only non-finite, max-abs or rel-L2 beyond the hard
+  limits, an exception, a wrong shape/dtype) returns the baseline's result for that call and
+  makes the process fall back to the baseline for good (reported as ``fallback``). Shapes
+  outside the covered buckets (``max_draft_tokens`` / ``max_prefix_len``) are served by the
+  baseline (and shadowed as in validate, to gather coverage).
+
+How the candidate is kept from modifying inputs: tensor arguments up to ``clone_max_bytes``
+(q, indices, masks) are passed to the candidate as clones, so it never sees the real tensors;
+larger ones (the KV cache) are shared, and their autograd version counter is compared before
+and after the candidate: a torch in-place write is detected, recorded as
+``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
+kernel are out of reach in-process; they are excluded before deployment by the kernel's
+sanitizer runs. The baseline always runs first, on the untouched inputs.
+
+Every callback the site does not own — candidate, oracle, sink, bundle writer — runs inside
+:meth:`ShadowSite._isolated`, the one place that handles what they raise. On CUDA tensors the
+call goes through ``shadowd.hook.device`` (graph-capturable, no host synchronisation).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
+from shadowd.hook.runtime import HookRuntime, get_runtime
+
+__all__ = ["Bucket", "ShadowSite", "max_abs_chunked"]
+
+log = logging.getLogger("shadowd.hook")
+
+
+@dataclass
+class Bucket:
+    """The shape of one verify call (what the statistics are bucketed by).
+
+    ``valid_rows``: real (non-padded) output rows, an int or — under CUDA graphs — a device
+    tensor holding it; ``meta``: optional device int64 tensor ``[batch_size, draft_tokens,
+    prefix_len]`` read by the kernels on replay (graph batches change without Python running).
+    """
+
+    batch_size: int = 1
+    draft_tokens: int = 1
+    prefix_len: int = 0
+    heads: int = 1
+    new_requests: int | None = None
+    valid_rows: int | torch.Tensor | None = None
+    meta: torch.Tensor | None = None
+
+
+def max_abs_chunked(a: torch.Tensor, b: torch.Tensor, rows: int) -> float:
+    """max |a - b| in fp32 over row chunks (bounded memory); NaN if either side is non-finite."""
+    a2 = a.reshape(a.shape[0], -1) if a.dim() else a.reshape(1, 1)
+    b2 = b.reshape(b.shape[0], -1) if b.dim() else b.reshape(1, 1)
+    out = 0.0
+    for i in range(0, a2.shape[0], rows):
+        d = (a2[i:i + rows].float() - b2[i:i + rows].float()).abs()
+        m = float(d.max()) if d.numel() else 0.0
+        if m != m:
+            return float("nan")
+        out = max(out, m)
+    return out
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    found = [a for a in args if isinstance(a, torch.Tensor)]
+    found += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    return found
+
+
+class ShadowSite:
+    """A shadowed call site (see the module docstring).
+
+    ``oracle``: optional fp32 reference over the same inputs (eager only, 1 in ``oracle_every``
+    sampled validate calls); ``refs``: optional ``"module:function"`` names of baseline,
+    candidate and oracle, written into repro bundles so ``shadowd replay`` can find them.
+    """
+
+    def __init__(self, name: str, baseline: Callable[..., Any], candidate: Callable[..., Any], *,
+                 oracle: Callable[..., Any] | None = None, runtime: HookRuntime | None = None,
+                 first_layer: int = 0, clone_max_bytes: int = 64 * 2**20,
+                 refs: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.baseline = baseline
+        self.candidate = candidate
+        self.oracle = oracle
+        self.rt = runtime or get_runtime()
+        self.first_layer = first_layer
+        self.clone_max_bytes = clone_max_bytes
+        self.refs = refs or {}
+        self.consecutive_errors = 0
+        self.oracle_calls = 0
+        self.errors: dict[str, int] = {}
+        self._bundles: Any = None
+
+    # ---- the one place that handles what foreign code raises ----------------------------------------
+    def _isolated(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
+        try:
+            return fn(*args, **kwargs), None
+        except Exception as e:
+            err = f"exception:{type(e).__name__}"
+            self.errors[what] = self.errors.get(what, 0) + 1
+            if self.errors[what] <= 3:
+                log.warning("shadowd[%s]: %s raised %r", self.name, what, e)
+            return None, err
+
+    # ---- the call ---------------------------------------------------------------------------------
+    def __call__(self, *args: Any, layer: int = 0, bucket: Bucket | None = None, **kwargs: Any) -> Any:
+        rt = self.rt
+        code = rt.mode_code
+        if code == 0:
+            return self.baseline(*args, **kwargs)
+        rt.calls += 1
+        if layer == self.first_layer:
+            rt.step += 1
+        b = bucket or Bucket()
+        if any(t.is_cuda for t in _tensors(args, kwargs)[:1]):
+            from shadowd.hook.device import device_call
+
+            return device_call(self, args, kwargs, layer, b)
+        step = rt.step
+        blocked = rt.disabled or rt.fallback
+        if code == 2 and not blocked and rt.config.covered(b.draft_tokens, b.prefix_len):
+            if not rt.spot_checked(step):
+                out, err = self._isolated("candidate", self.candidate, *args, **kwargs)
+                if err is None:
+                    return out
+                rt.fall_back(f"candidate {err}")
+                return self.baseline(*args, **kwargs)
+            return self._shadow(args, kwargs, layer, b, "on")
+        if blocked or not rt.sampled(step):
+            return self.baseline(*args, **kwargs)
+        return self._shadow(args, kwargs, layer, b, "validate")
+
+    def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[torch.Tensor, int]]]:
+        watched: list[tuple[torch.Tensor, int]] = []
+
+        def guard(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.numel() * x.element_size() <= self.clone_max_bytes:
+                return x.detach().clone()
+            watched.append((x, x._version))
+            return x
+
+        return tuple(guard(a) for a in args), {k: guard(v) for k, v in kwargs.items()}, watched
+
+    def _check(self, out_c: Any, out_b: Any) -> str | None:
+        if not isinstance(out_c, torch.Tensor):
+            return "type"
+        if out_c.shape != out_b.shape:
+            return "shape"
+        if out_c.dtype != out_b.dtype:
+            return "dtype"
+        return None
+
+    def _shadow(self, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket, mode: str) -> Any:
+        rt = self.rt
+        t0 = time.perf_counter_ns()
+        out_b = self.baseline(*args, **kwargs)
+        t1 = time.perf_counter_ns()
+        cargs, ckwargs, watched = self._protect(args, kwargs)
+        t2 = time.perf_counter_ns()
+        out_c, err = self._isolated("candidate", self.candidate, *cargs, **ckwargs)
+        t3 = time.perf_counter_ns()
+        if err is None and any(t._version != v for t, v in watched):
+            err = "input_modified"
+            rt.disable("candidate modified its inputs")
+        if err is None:
+            err = self._check(out_c, out_b)
+        valid = b.valid_rows if isinstance(b.valid_rows, int) else None
+        row = out_b[0].numel() if out_b.dim() and out_b.shape[0] else 1
+        valid_numel = None if valid is None else valid * row
+        if err is None:
+            stats, serr = self._isolated("stats", stats_torch, out_c, out_b, valid_numel)
+            if serr is not None:
+                stats, err = None, "stats_failed"
+        else:
+            stats = None
+        if stats is None:
+            stats = empty_stats(out_b.numel() if valid_numel is None else valid_numel)
+        hard = err or hard_failure(stats, rt.config.hard_scaled_max_abs, rt.config.hard_rel_l2)
+        if err is not None or stats["cand_nonfinite"] > 0:
+            self.consecutive_errors += 1
+            if self.consecutive_errors >= rt.config.disable_after:
+                rt.disable(f"{self.consecutive_errors} consecutive candidate errors ({err or 'nonfinite'})")
+        else:
+            self.consecutive_errors = 0
+        oracle_errs: tuple[float | None, float | None] = (None, None)
+        if mode == "validate" and err is None and self.oracle is not None and rt.config.oracle_every > 0:
+            self.oracle_calls += 1
+            if self.oracle_calls % rt.config.oracle_every == 0:
+                oracle_errs = self._oracle(args, kwargs, out_c, out_b)
+        sample = self._sample(layer, b, stats, error=err, mode=mode, cand_us=(t3 - t2) / 1e3,
+                              base_us=(t1 - t0) / 1e3, oracle=oracle_errs)
+        self._isolated("sink", rt.emit, sample)
+        tol = stats["rel_l2"] > rt.config.bundle_rel_l2
+        if rt.config.bundle_dir is not None and (hard or tol):
+            self._isolated("bundle", self._save_bundle, args, kwargs, out_b, out_c, sample, hard or "tolerance")
+        if mode == "on":
+            if hard:
+                rt.fall_back(f"spot check: {hard}")
+                return out_b
+            return out_c
+        return out_b
+
+    def _oracle(self, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: Any, out_b: Any
+                ) -> tuple[float | None, float | None]:
+        assert self.oracle is not None
+        ref, err = self._isolated("oracle", self.oracle, *args, **kwargs)
+        if err is not None or not isinstance(ref, torch.Tensor) or ref.shape != out_b.shape:
+            return None, None
+        rows = self.rt.config.oracle_chunk_rows
+        return max_abs_chunked(out_c, ref, rows), max_abs_chunked(out_b, ref, rows)
+
+    def _sample(self, layer: int, b: Bucket, stats: dict[str, Any], *, error: str | None, mode: str,
+                cand_us: float | None, base_us: float | None,
+                oracle: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
+        rt = self.rt
+        s = {k: v for k, v in stats.items() if k != "max_pos"}
+        s.update(layer=layer, rank=rt.config.rank, step=rt.step, call=rt.calls, ts=time.time(),
+                 batch_size=max(1, b.batch_size), draft_tokens=max(1, b.draft_tokens), prefix_len=b.prefix_len,
+                 heads=max(1, b.heads), error=error, mode=mode, oracle_cand_err=oracle[0],
+                 oracle_base_err=oracle[1], cand_us=cand_us, base_us=base_us,
+                 new_requests=b.new_requests if layer == self.first_layer else None)
+        return s
+
+    def _save_bundle(self, args: tuple[Any, ...], kwargs: dict[str, Any], out_b: Any, out_c: Any,
+                     sample: dict[str, Any], reason: str) -> Any:
+        if self._bundles is None:
+            from shadowd.hook.bundle import BundleWriter
+
+            cfg = self.rt.config
+            assert cfg.bundle_dir is not None
+            self._bundles = BundleWriter(cfg.bundle_dir, cfg.bundle_max, cfg.bundle_max_bytes)
+        return self._bundles.save(self.name, args, kwargs, out_b, out_c, sample, reason, self.refs)

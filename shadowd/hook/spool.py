@@ -1,0 +1,96 @@
+"""A bounded on-disk spool of encoded sample batches, replayed oldest first.
+
+Each batch is one file ``<run_id>-<seq:020d>-<producer>.mpk`` holding the exact msgpack body
+that would have been posted (producer and sequence number inside), so a replay is
+byte-identical and the collector's idempotency (producer, seq) makes a repeated post harmless.
+Files are written to a temporary name and renamed, so a crash never leaves half a batch.
+When adding a batch would exceed ``max_bytes`` the batch is refused (the caller counts the
+drop); nothing already spooled is evicted, so what is replayed is an in-order prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+__all__ = ["Spool", "SpoolEntry"]
+
+
+class SpoolEntry:
+    """One spooled batch."""
+
+    __slots__ = ("path", "producer", "run_id", "seq", "size")
+
+    def __init__(self, path: Path) -> None:
+        run, seq, producer = path.stem.split("-", 2)
+        self.path = path
+        self.run_id = int(run)
+        self.seq = int(seq)
+        self.producer = producer
+        self.size = path.stat().st_size
+
+    def read(self) -> bytes:
+        return self.path.read_bytes()
+
+
+class Spool:
+    """The spool directory ``root`` (created on first use), bounded to ``max_bytes``."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self._entries: list[SpoolEntry] | None = None
+        self._bytes = 0
+
+    def _load(self) -> list[SpoolEntry]:
+        if self._entries is None:
+            entries = []
+            if self.root.is_dir():
+                for p in self.root.glob("*.mpk"):
+                    with contextlib.suppress(ValueError, OSError):
+                        entries.append(SpoolEntry(p))
+            entries.sort(key=lambda e: (e.producer, e.seq))
+            self._entries = entries
+            self._bytes = sum(e.size for e in entries)
+        return self._entries
+
+    def depth(self) -> int:
+        """Batches waiting."""
+        return len(self._load())
+
+    def nbytes(self) -> int:
+        self._load()
+        return self._bytes
+
+    def push(self, run_id: int, producer: str, seq: int, body: bytes) -> bool:
+        """Store a batch; False (nothing written) when the bound would be exceeded or the disk fails."""
+        entries = self._load()
+        if self._bytes + len(body) > self.max_bytes:
+            return False
+        name = f"{run_id}-{seq:020d}-{producer}.mpk"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / (name + ".tmp")
+            tmp.write_bytes(body)
+            os.replace(tmp, self.root / name)
+            entry = SpoolEntry(self.root / name)
+        except OSError:
+            return False
+        entries.append(entry)
+        self._bytes += entry.size
+        return True
+
+    def peek(self) -> SpoolEntry | None:
+        """The oldest batch, or None."""
+        entries = self._load()
+        return entries[0] if entries else None
+
+    def pop(self, entry: SpoolEntry) -> None:
+        """Remove a batch that was delivered (or rejected for good)."""
+        entries = self._load()
+        if entry in entries:
+            entries.remove(entry)
+            self._bytes -= entry.size
+        with contextlib.suppress(OSError):
+            entry.path.unlink()

@@ -1,0 +1,126 @@
+"""Baseline and candidate of the MLA tree-verify site, over one :class:`VerifyCall`.
+
+Both take the same arguments, ``(call, q, k, v, kv_buffer, qo_indptr, kv_indptr, kv_indices,
+custom_mask, mask_indptr)``, so that :class:`shadowd.hook.site.ShadowSite` can hand the candidate
+clones of the small tensors and watch the large ones (the KV cache):
+
+* :func:`baseline` — SGLang's own ``TritonAttnBackend.forward_extend`` (the un-hooked original)
+  with ``save_kv_cache=False``: the draft K/V were already written by the hook, through SGLang's
+  own ``_set_kv_buffer``, so it computes exactly what SGLang computes, into SGLang's output buffer.
+* :func:`candidate` — ``mla_tree_verify.tree_verify`` on CUDA (reads the cache, never writes it;
+  its own output tensor). On CPU (tests) the fp32 oracle ``mla_tree_verify.oracle`` stands in.
+  ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CANDIDATE_ENV",
+    "VerifyCall",
+    "baseline",
+    "baseline_fingerprint",
+    "candidate",
+    "candidate_fingerprint",
+    "candidate_fn",
+]
+
+CANDIDATE_ENV = "SHADOWD_CANDIDATE"
+D_QK = 576
+D_V = 512
+
+
+@dataclass
+class VerifyCall:
+    """What both sides need besides the tensors: SGLang's objects and the static launch shape."""
+
+    original: Callable[..., Any]
+    backend: Any
+    layer: Any
+    forward_batch: Any
+    heads: int
+    scaling: float
+    max_q_len: int
+
+
+def baseline(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any) -> torch.Tensor:
+    """SGLang's Triton path (cache already written): ``[T, H*512]`` in SGLang's output buffer."""
+    out: torch.Tensor = call.original(call.backend, q, k, v, call.layer, call.forward_batch, save_kv_cache=False)
+    return out
+
+
+def _oracle_fp32(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor, qo_indptr: torch.Tensor,
+                 kv_indptr: torch.Tensor, kv_indices: torch.Tensor, custom_mask: torch.Tensor | None,
+                 mask_indptr: torch.Tensor | None, sm_scale: float, **_: Any) -> torch.Tensor:
+    from mla_tree_verify import oracle
+
+    out: torch.Tensor = oracle.attention(q, k, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
+                                         mask_indptr, sm_scale, dtype=torch.float32)
+    return out.to(q.dtype)
+
+
+_RESOLVED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def candidate_fn(cuda: bool, env: dict[str, str] | None = None) -> Callable[..., torch.Tensor]:
+    """The function with ``tree_verify``'s signature that serves as candidate."""
+    ref = (os.environ if env is None else env).get(CANDIDATE_ENV) or ("mla_tree_verify:tree_verify" if cuda else "")
+    if not ref:
+        return _oracle_fp32
+    fn = _RESOLVED.get(ref)
+    if fn is None:
+        mod, _, name = ref.partition(":")
+        fn = getattr(importlib.import_module(mod), name or "tree_verify")
+        _RESOLVED[ref] = fn
+    return fn
+
+
+def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_buffer: torch.Tensor,
+              qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+              custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None) -> torch.Tensor:
+    """The project's kernel over the same inputs: ``[T, H*512]`` like SGLang's output (own buffer)."""
+    del v  # MLA: v is the first 512 columns of k (and of the cache rows)
+    t = q.shape[0]
+    fn = candidate_fn(q.is_cuda)
+    out = fn(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
+             custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len)
+    return out.view(t, call.heads * D_V)
+
+
+def candidate_fingerprint() -> str:
+    """``mla_tree_verify`` source hash (what its build cache is keyed by), or ``unknown``."""
+    try:
+        from mla_tree_verify import _build
+
+        return f"mla_tree_verify-src-{_build.source_hash()[:16]}"
+    except Exception:
+        return "unknown"
+
+
+def baseline_fingerprint(sglang_version: str) -> str:
+    """SGLang version, Triton version and the hash of SGLang's extend-attention kernel source."""
+    import hashlib
+
+    digest = "unknown"
+    try:
+        spec = importlib.util.find_spec("sglang.kernels.ops.attention.extend_attention")
+        if spec is not None and spec.origin:
+            with open(spec.origin, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    except Exception:
+        pass
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:
+        tv = "none"
+    return f"sglang-{sglang_version}-triton-{tv}-extend_attention-{digest}"

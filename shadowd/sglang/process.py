@@ -1,0 +1,185 @@
+"""Per-process setup in every SGLang worker: the hook runtime, the run, the streamer.
+
+Runs when the target model's ``TritonAttnBackend`` is constructed (an AROUND hook on its
+``__init__``: the model runner is at hand there, and it happens in every spawned scheduler / TP
+worker process). Once per process:
+
+* builds the :class:`shadowd.hook.runtime.HookRuntime` from ``SHADOWD_*`` with ``rank`` = this
+  process's TP rank (each rank is its own producer: the streamer's producer id is per process);
+* refuses modes that are unsafe under CUDA graphs here (:mod:`shadowd.sglang.graphs`);
+* with ``SHADOWD_URL`` set: registers the run (``POST /v1/runs``, idempotent on the run key, so
+  every rank registering the same launch gets the same run) with the model's layer count, TP size,
+  GPU, sglang version and both fingerprints — in a background thread, retried while the collector
+  is unreachable — and starts the :class:`shadowd.hook.streamer.Streamer` (its producer stats carry
+  the speculative-decoding counters of :mod:`shadowd.sglang.spec`). Samples submitted before the run
+  is registered wait in the streamer's queue.
+
+Run key: ``SHADOWD_RUN_KEY`` if the launching process set it; else systemd's ``INVOCATION_ID``
+(one per service start, inherited by every child); else ``<host>-<parent pid>-<parent start time>``
+— the same for all ranks spawned by one launcher, new for every launch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from shadowd.hook.config import HookConfig
+from shadowd.hook.runtime import HookRuntime, set_runtime
+from shadowd.sglang.candidate import baseline_fingerprint, candidate_fingerprint
+from shadowd.sglang.graphs import check_graph_safety, decode_graphs_enabled
+from shadowd.sglang.spec import SpecCounters
+
+__all__ = ["ProcessSetup", "derive_run_key", "run_fields"]
+
+log = logging.getLogger("shadowd.sglang")
+
+
+def derive_run_key(env: Mapping[str, str] | None = None) -> str:
+    """The run key of this launch (see the module docstring)."""
+    e = os.environ if env is None else env
+    if e.get("SHADOWD_RUN_KEY"):
+        return e["SHADOWD_RUN_KEY"]
+    host = socket.gethostname()
+    if e.get("INVOCATION_ID"):
+        return f"{host}-systemd-{e['INVOCATION_ID'][:32]}"
+    ppid = os.getppid()
+    started = ""
+    try:
+        import psutil
+
+        started = f"{psutil.Process(ppid).create_time():.0f}"
+    except Exception:
+        started = "0"
+    return f"{host}-{ppid}-{started}"
+
+
+def _gpu() -> tuple[str, str, str]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            i = torch.cuda.current_device()
+            cap = torch.cuda.get_device_capability(i)
+            return torch.cuda.get_device_name(i), f"sm_{cap[0]}{cap[1]}", f"cuda {torch.version.cuda}"
+    except Exception:
+        pass
+    return "cpu", "", ""
+
+
+def run_fields(run_key: str, num_layers: int, tp_size: int, sglang_version: str, model: str = "unknown",
+               labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ``POST /v1/runs`` body."""
+    gpu, arch, driver = _gpu()
+    return {
+        "run_key": run_key[:200], "model": (model or "unknown")[-200:], "num_layers": max(1, int(num_layers)),
+        "tp_size": max(1, int(tp_size)), "gpu_name": gpu[:200], "gpu_arch": arch, "driver": driver[:100],
+        "sglang_version": sglang_version[:50],
+        "candidate": {"name": "mla_tree_verify", "fingerprint": candidate_fingerprint()[:200]},
+        "baseline": {"name": "sglang-triton-extend_attention",
+                     "fingerprint": baseline_fingerprint(sglang_version)[:200]},
+        "labels": {"host": socket.gethostname(), "integration": "sglang-plugin", **(labels or {})},
+    }
+
+
+def _parallel(model_runner: Any) -> tuple[int, int]:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return int(p.tp_rank), int(p.tp_size)
+    except Exception:
+        return int(getattr(model_runner, "tp_rank", 0) or 0), int(getattr(model_runner, "tp_size", 1) or 1)
+
+
+class ProcessSetup:
+    """The once-per-process setup; :meth:`backend_init_hook` is the AROUND hook on ``__init__``."""
+
+    def __init__(self, sglang_version: str, spec: SpecCounters, env: Mapping[str, str] | None = None) -> None:
+        self.sglang_version = sglang_version
+        self.spec = spec
+        self.env = os.environ if env is None else env
+        self.runtime: HookRuntime | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def backend_init_hook(self, original: Any, backend: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(backend, model_runner, *args, **kwargs)
+        if not getattr(model_runner, "is_draft_worker", False):
+            self.setup(model_runner)
+        return out
+
+    def setup(self, model_runner: Any) -> HookRuntime:
+        with self._lock:
+            if self.runtime is not None:
+                return self.runtime
+            config = HookConfig.from_env(self.env)
+            rank, tp_size = _parallel(model_runner)
+            if "SHADOWD_RANK" not in self.env:
+                config.rank = rank
+            device = str(getattr(model_runner, "device", "cuda"))
+            check_graph_safety(config, device.startswith("cuda") and decode_graphs_enabled(model_runner), self.env)
+            rt = HookRuntime(config)
+            set_runtime(rt)
+            self.runtime = rt
+            mc = getattr(model_runner, "model_config", None)
+            layers = int(getattr(mc, "num_hidden_layers", 0) or getattr(getattr(mc, "hf_text_config", None),
+                                                                          "num_hidden_layers", 1) or 1)
+            model = str(getattr(mc, "model_path", "") or "unknown")
+            log.warning("shadowd: SGLang plugin active: mode %s, rank %d/%d, %d layers", config.mode, rank, tp_size,
+                        layers)
+            if config.url:
+                fields = run_fields(derive_run_key(self.env), layers, tp_size, self.sglang_version, model)
+                self._start_streamer(rt, fields)
+            return rt
+
+    def _start_streamer(self, rt: HookRuntime, fields: dict[str, Any]) -> None:
+        from shadowd.client import BatchRejected, CollectorClient
+        from shadowd.hook.spool import Spool
+        from shadowd.hook.streamer import Streamer
+        from shadowd.wire import PRODUCER_STATS
+
+        cfg = rt.config
+        assert cfg.url is not None
+        client = CollectorClient(cfg.url, cfg.token, timeout=cfg.http_timeout_s)
+        spool = Spool(cfg.spool_dir / hashlib.sha256(fields["run_key"].encode()).hexdigest()[:12] / f"rank{cfg.rank}",
+                      cfg.spool_max_bytes)
+
+        def stats() -> dict[str, int]:
+            return {**rt.producer_stats(), **self.spec.producer_stats(PRODUCER_STATS)}
+
+        streamer = Streamer(client, -1, spool, queue_max=cfg.queue_max, batch_max=cfg.batch_max,
+                            flush_interval_s=cfg.flush_interval_s, poll_interval_s=cfg.poll_interval_s,
+                            on_mode_override=rt.set_override, stats=stats)
+        streamer.pollers.append(lambda: rt._device.poll() if rt._device is not None else [])
+        rt.streamer = streamer  # samples queue up until the run is registered
+
+        def register() -> None:
+            delay = 0.5
+            while True:
+                try:
+                    run = client.register_run(fields)
+                    break
+                except BatchRejected as e:
+                    log.error("shadowd: the collector refused the run registration (%s): not streaming", e)
+                    return
+                except Exception as e:
+                    log.warning("shadowd: run registration failed (%r); retrying in %.1fs", e, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+            rt.run_id = int(run["id"])
+            streamer.run_id = rt.run_id
+            rt.set_override(run.get("mode_override"))
+            streamer.start()
+            atexit.register(streamer.close, 2.0)
+            log.warning("shadowd: run %d (%s), rank %d streaming to the collector", rt.run_id, fields["run_key"],
+                        cfg.rank)
+
+        threading.Thread(target=register, name="shadowd-register", daemon=True).start()

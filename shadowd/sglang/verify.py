@@ -1,0 +1,165 @@
+"""The AROUND hook on ``TritonAttnBackend.forward_extend``: shadow MLA tree verify of the target model.
+
+A call is shadowed only when all of these hold (anything else goes to SGLang untouched, with the
+caller's exact arguments):
+
+* ``forward_batch.forward_mode.is_target_verify()`` and not ``backend.is_draft_runner`` (the
+  DFLASH/DSPARK draft runners also run in verify mode);
+* absorbed MLA shapes (``qk_head_dim`` 576, ``v_head_dim`` 512, one latent KV head), no KV
+  scales (FP8 KV), no sinks / score_mod / aux tensors / logit cap / sliding window / DCP / DLLM,
+  decoder self-attention (causal), K/V given (not read back), q in bf16/fp16/fp32 matching the cache;
+* the effective mode (kill switch applied) is not ``off``.
+
+For a shadowed call the hook first writes the draft K/V into the cache exactly as SGLang does
+(``KVWriteLoc.for_batch`` + ``backend._set_kv_buffer``, the same calls ``forward_extend`` makes),
+then hands baseline (SGLang's Triton path, ``save_kv_cache=False``) and candidate to the
+:class:`shadowd.hook.site.ShadowSite`. So in *validate* the candidate only ever reads a cache SGLang
+has written, and returns nothing to SGLang; in *on* the cache write, and the output layout
+(``[T, H*512]``, into ``forward_batch._attn_output`` when SGLang set one) are SGLang's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from shadowd.hook.runtime import HookRuntime, get_runtime
+from shadowd.hook.site import Bucket, ShadowSite
+from shadowd.sglang.candidate import D_QK, D_V, VerifyCall, baseline, candidate
+
+__all__ = ["SITE_NAME", "TARGET", "VerifyShadow", "ineligible"]
+
+log = logging.getLogger("shadowd.sglang")
+
+TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
+SITE_NAME = "sglang.mla_tree_verify"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def ineligible(backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, sinks: Any = None,
+               score_mod: Any = None, aux_tensors: Any = None) -> str | None:
+    """Why this ``forward_extend`` call is not shadowed (None: it is)."""
+    if getattr(backend, "is_draft_runner", False):
+        return "draft runner"
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is None or not mode.is_target_verify():
+        return "not target verify"
+    if not getattr(backend, "use_mla", False):
+        return "not MLA"
+    if k is None or v is None or sinks is not None or score_mod is not None or aux_tensors is not None:
+        return "k/v missing or sinks/score_mod/aux_tensors"
+    if getattr(layer, "qk_head_dim", None) != D_QK or getattr(layer, "v_head_dim", None) != D_V:
+        return "not absorbed MLA (576/512)"
+    if getattr(layer, "k_scale", None) is not None or getattr(layer, "v_scale", None) is not None:
+        return "KV scales"
+    if (getattr(layer, "logit_cap", 0) or 0) > 0 or (getattr(layer, "xai_temperature_len", -1) or -1) > 0:
+        return "logit cap / temperature"
+    sw = getattr(layer, "sliding_window_size", None)
+    if sw is not None and sw > -1:
+        return "sliding window"
+    if getattr(layer, "is_cross_attention", False) or getattr(getattr(layer, "attn_type", None), "name",
+                                                              "DECODER") != "DECODER":
+        return "not causal decoder self-attention"
+    if getattr(backend, "dcp_size", 1) != 1 or getattr(backend, "dllm_attention", None) is not None:
+        return "DCP / DLLM"
+    if getattr(forward_batch, "mha_one_shot", False):
+        return "MHA one-shot"
+    if q.dtype not in _DTYPES or q.shape[0] != k.shape[0] or k.shape[-1] != D_QK:
+        return "dtype/shape"
+    return None
+
+
+class VerifyShadow:
+    """The hook (``HookRegistry`` AROUND callable): ``(original, backend, q, k, v, layer, forward_batch, ...)``."""
+
+    def __init__(self, runtime: HookRuntime | None = None, first_layer: int | None = None) -> None:
+        self._runtime = runtime
+        self._first_layer = first_layer
+        self.site: ShadowSite | None = None
+        self.passed = 0
+        self.shadowed = 0
+        self.reasons: dict[str, int] = {}
+
+    def _site(self, backend: Any) -> ShadowSite:
+        if self.site is None:
+            first = self._first_layer
+            if first is None:
+                first = int(getattr(getattr(backend, "token_to_kv_pool", None), "start_layer", 0) or 0)
+            self.site = ShadowSite(SITE_NAME, baseline, candidate, runtime=self._runtime or get_runtime(),
+                                   first_layer=first,
+                                   refs={"baseline": "shadowd.sglang.candidate:baseline",
+                                         "candidate": "shadowd.sglang.candidate:candidate"})
+        return self.site
+
+    def __call__(self, original: Any, backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+                 save_kv_cache: bool = True, sinks: Any = None, score_mod: Any = None, aux_tensors: Any = None,
+                 **extra: Any) -> Any:
+        rt = self._runtime or get_runtime()
+        why = "extra arguments" if extra else None
+        if why is None and rt.mode_code == 0:
+            why = "mode off"
+        if why is None:
+            why = ineligible(backend, q, k, v, layer, forward_batch, sinks, score_mod, aux_tensors)
+        if why is not None:
+            self.passed += 1
+            self.reasons[why] = self.reasons.get(why, 0) + 1
+            return original(backend, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors,
+                            **extra)
+        self.shadowed += 1
+        site = self._site(backend)
+        md = backend.forward_metadata
+        if save_kv_cache:
+            self._write_kv(backend, layer, forward_batch, k, v)
+        heads = int(layer.tp_q_head_num)
+        call = VerifyCall(original, backend, layer, forward_batch, heads, float(layer.scaling),
+                          int(md.max_extend_len))
+        kv_buffer = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        layer_id = int(layer.layer_id)
+        bucket = self._bucket(q, heads, forward_batch, md, site, layer_id)
+        out = site(call, q, k, v, kv_buffer, md.qo_indptr, md.kv_indptr, md.kv_indices, md.custom_mask,
+                   md.mask_indptr, layer=layer_id, bucket=bucket)
+        attn_out = getattr(forward_batch, "_attn_output", None)
+        if attn_out is not None and out is not attn_out and out.data_ptr() != attn_out.data_ptr():
+            attn_out.copy_(out.view(attn_out.shape))  # SGLang's layout: its own buffer
+            return attn_out
+        return out
+
+    @staticmethod
+    def _write_kv(backend: Any, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The draft K/V into the cache at ``out_cache_loc``: the very calls ``forward_extend`` makes."""
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        loc = KVWriteLoc.for_batch(forward_batch, swa_loc=backend.forward_metadata.swa_out_cache_loc)
+        backend._set_kv_buffer(forward_batch, layer, loc, k, v)
+
+    @staticmethod
+    def _bucket(q: torch.Tensor, heads: int, forward_batch: Any, md: Any, site: ShadowSite,
+                layer_id: int) -> Bucket:
+        bs = max(1, int(getattr(forward_batch, "batch_size", 0) or md.qo_indptr.shape[0] - 1))
+        draft = max(1, int(md.max_extend_len) if md.max_extend_len else q.shape[0] // bs)
+        prefix = 0
+        meta = None
+        seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # On replay no Python runs: the shape the kernels record comes from device memory. One meta
+            # per forward, rebuilt by the first layer inside the capture (so it is part of the graph).
+            meta = getattr(forward_batch, "_shadowd_meta", None)
+            if meta is None or layer_id == site.first_layer:
+                meta = _device_meta(md.kv_indptr[: bs + 1], bs, draft)
+                forward_batch._shadowd_meta = meta
+        elif seq_cpu is not None and len(seq_cpu):
+            prefix = int(max(seq_cpu[:bs].tolist()))
+        valid = q.shape[0]
+        return Bucket(batch_size=bs, draft_tokens=draft, prefix_len=prefix, heads=heads, valid_rows=valid, meta=meta)
+
+
+def _device_meta(kv_indptr: torch.Tensor, bs: int, draft: int) -> torch.Tensor:
+    """``int64 [batch, draft, longest prefix]`` on the device, from ``kv_indptr`` (capturable: no sync)."""
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    meta = torch.empty(3, dtype=torch.int64, device=kv_indptr.device)
+    meta[0] = bs
+    meta[1] = draft
+    meta[2:3] = lens.amax(dim=0, keepdim=True)
+    return meta

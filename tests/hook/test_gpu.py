@@ -1,0 +1,215 @@
+"""GPU (CUDA) tests of the fused statistics and the graph-capturable hook path; skipped without CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shadowd.hook.config import Sampling
+from shadowd.hook.diffstats import finalize, raw_stats_torch, stats_torch
+from shadowd.hook.site import Bucket, ShadowSite
+from tests.hook.conftest import make_runtime
+from tests.hook.test_diffstats import check, plant, reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (an H200 run)")]
+
+ROWS, K, N = 64, 128, 256
+
+
+def gpu_base(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ w.float()).to(torch.bfloat16)
+
+
+def gpu_cand(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    k = x.shape[1] // 2
+    lo = (x[:, :k].float() @ w[:k].float()).to(torch.bfloat16).float()
+    return (lo + x[:, k:].float() @ w[k:].float()).to(torch.bfloat16)
+
+
+def fused(c: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None) -> dict:
+    from shadowd.hook.device import fused_raw_stats
+
+    raw = fused_raw_stats(c, b, valid)
+    torch.cuda.synchronize()
+    return finalize(raw.cpu().tolist())
+
+
+@pytest.mark.parametrize("shape,dtype", [((33, 4, 17), torch.bfloat16), ((256, 64, 512), torch.bfloat16),
+                                         ((1000, 3), torch.float32), ((7, 5), torch.float16),
+                                         ((2048, 8, 512), torch.bfloat16)])
+def test_gpu_fused_stats_match_float64(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    b = torch.randn(shape, generator=g).to(dtype)
+    c = (b.float() + 1e-2 * torch.randn(shape, generator=g)).to(dtype)
+    plant(b, g, 5, float("nan"))
+    plant(b, g, 3, float("inf"))
+    plant(c, g, 2, float("-inf"))
+    plant(c, g, 7, 0.0)
+    got = fused(c.cuda(), b.cuda())
+    cpu = stats_torch(c, b)
+    check(got, {k: v for k, v in cpu.items() if k != "max_pos"})
+    if c.numel() < 100_000:
+        check(got, reference(c.float().numpy(), b.float().numpy()))
+    c2 = c.clone()
+    c2[c2 != c2] = 0  # no candidate-only non-finite: float statistics are defined
+    c2[c2.isinf()] = 0
+    got2 = fused(c2.cuda(), b.cuda())
+    ref2 = stats_torch(c2, b)
+    check(got2, {k: v for k, v in ref2.items() if k != "max_pos"})
+    assert got2["max_pos"] == ref2["max_pos"]
+
+
+def test_gpu_padded_rows_excluded() -> None:
+    b = torch.randn(40, 8, 64, device="cuda").to(torch.bfloat16)
+    c = b.clone()
+    c[25:] = float("nan")
+    valid = torch.tensor([25], dtype=torch.int32, device="cuda")
+    got = fused(c, b, valid)
+    assert got["numel"] == 25 * 8 * 64 and got["cand_nonfinite"] == 0 and got["max_abs"] == 0.0
+
+
+def _graph_site(mode: str, **cfg: object) -> tuple:
+    rt, _sink = make_runtime(mode, **cfg)
+    rt.sink = None
+    site = ShadowSite("g", gpu_base, gpu_cand, runtime=rt)
+    x = torch.randn(ROWS, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(K, N, device="cuda").to(torch.bfloat16)
+    valid = torch.tensor([ROWS], dtype=torch.int32, device="cuda")
+    meta = torch.tensor([2, 16, 1000], dtype=torch.int64, device="cuda")
+    bucket = Bucket(batch_size=2, draft_tokens=16, prefix_len=1000, heads=8, valid_rows=valid, meta=meta)
+    return rt, site, x, w, valid, meta, bucket
+
+
+def _capture(site: ShadowSite, x: torch.Tensor, w: torch.Tensor, bucket: Bucket, warm: int = 4):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warm):  # compiles every kernel variant outside the capture
+            site(x, w, layer=0, bucket=bucket)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = site(x, w, layer=0, bucket=bucket)
+    torch.cuda.synchronize()
+    return g, out
+
+
+def _drain(rt) -> list[dict]:
+    torch.cuda.synchronize()  # the test waits; the hook never does
+    return rt.device().poll()
+
+
+def test_gpu_validate_graph_replay_per_replay_stats() -> None:
+    rt, site, x, w, valid, meta, bucket = _graph_site("validate")
+    g, out = _capture(site, x, w, bucket)
+    _drain(rt)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for i in range(6):
+        x.copy_(torch.randn(ROWS, K, device="cuda", generator=gen).to(torch.bfloat16))
+        rows = ROWS - 7 * i
+        valid.fill_(rows)
+        meta.copy_(torch.tensor([1 + i, 8 + i, 100 * i], device="cuda"))
+        g.replay()
+        (s,) = _drain(rt)
+        ref = stats_torch(gpu_cand(x, w).cpu(), gpu_base(x, w).cpu(), rows * N)
+        assert torch.equal(out, gpu_base(x, w)), "validate returns the baseline's result"
+        check(s, {k: v for k, v in ref.items() if k != "max_pos"})
+        assert s["numel"] == rows * N and s["batch_size"] == 1 + i and s["draft_tokens"] == 8 + i
+        assert s["prefix_len"] == 100 * i and s["mode"] == "validate" and s["heads"] == 8
+        assert s["base_us"] is not None and s["base_us"] >= 0 and s["cand_us"] >= 0  # globaltimer deltas
+
+
+def test_gpu_sampling_and_kill_switch_on_replay() -> None:
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("validate", sampling=Sampling(3))
+    g, _out = _capture(site, x, w, bucket, warm=6)
+    _drain(rt)
+    steps = []
+    for _ in range(9):
+        g.replay()
+        steps += [s["step"] for s in _drain(rt)]
+    assert len(steps) == 3 and all(s % 3 == 0 for s in steps), steps
+    rt.set_override("off")  # the kill switch: pinned host word, read by the control kernel on replay
+    for _ in range(6):
+        g.replay()
+    assert _drain(rt) == []
+    rt.set_override(None)
+    for _ in range(3):
+        g.replay()
+    assert len(_drain(rt)) == 1
+
+
+def test_gpu_on_mode_spot_check_and_fallback_on_replay() -> None:
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=2)
+    scale = torch.ones(1, device="cuda")
+    site.candidate = lambda a, b: (gpu_cand(a, b).float() * scale).to(torch.bfloat16)
+    g, out = _capture(site, x, w, bucket)
+    _drain(rt)
+    records = []
+    for _ in range(4):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_cand(x, w)), "on mode returns the candidate's result"
+        records += _drain(rt)
+    assert len(records) == 2 and all(r["mode"] == "on" for r in records) and not rt.fallback
+    scale.fill_(3.0)  # the candidate goes wrong; the next spot-checked replay must catch it
+    outs = []
+    for _ in range(4):
+        g.replay()
+        torch.cuda.synchronize()
+        outs.append(torch.equal(out, gpu_base(x, w)))
+        _drain(rt)
+    first_spot = outs.index(True)
+    assert first_spot <= 1 and all(outs[first_spot:]), outs
+    assert rt.fallback and rt.producer_stats()["fallback"] == 1
+    scale.fill_(1.0)  # even a good candidate is not used again: the fallback sticks
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gpu_base(x, w))
+
+
+def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)
+    g, out = _capture(site, x, w, bucket, warm=2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gpu_cand(x, w))
+    rt.set_override("validate")
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gpu_base(x, w))
+    assert [s["mode"] for s in _drain(rt)][-1:] == ["validate"]
+
+
+def test_gpu_no_host_sync_on_the_serving_path() -> None:
+    rt, site, x, w, valid, meta, bucket = _graph_site("validate")
+    g, _out = _capture(site, x, w, bucket)
+    eager = Bucket(batch_size=2, draft_tokens=16, prefix_len=1000, heads=8, valid_rows=valid, meta=meta)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
+    try:
+        for _ in range(20):
+            site(x, w, layer=0, bucket=eager)  # eager validate, sampled every step
+            g.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(_drain(rt)) >= 40
+
+
+def test_gpu_candidate_exception_during_eager_call_is_a_sample() -> None:
+    rt, sink = make_runtime("validate")
+    site = ShadowSite("g", gpu_base, lambda *a: 1 / 0, runtime=rt)
+    x = torch.randn(ROWS, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(K, N, device="cuda").to(torch.bfloat16)
+    out = site(x, w, layer=0)
+    assert torch.equal(out, gpu_base(x, w)) and sink[0]["error"] == "exception:ZeroDivisionError"
+    assert math.isnan(sink[0]["max_abs"])
+
+
+def test_gpu_raw_torch_matches_fused_on_device_tensors() -> None:
+    b = torch.randn(300, 7, device="cuda")
+    c = b + 1e-3 * torch.randn(300, 7, device="cuda")
+    raw = raw_stats_torch(c.cpu(), b.cpu())
+    check(fused(c, b), {k: v for k, v in finalize(raw.tolist()).items() if k != "max_pos"})

@@ -1,0 +1,224 @@
+"""Each mode's contract on CPU: off, validate, on; isolation of the candidate; bundles and replay."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from shadowd.hook.config import HookConfig, Sampling, parse_mode, parse_sampling
+from shadowd.hook.replay import format_report, replay_bundle
+from shadowd.hook.site import Bucket, ShadowSite
+from tests.hook.conftest import base_fn, cand_fn, inputs, make_runtime
+
+
+def raising(*args: object) -> torch.Tensor:
+    raise RuntimeError("candidate bug")
+
+
+def nan_cand(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = cand_fn(x, w)
+    out[0, 0] = float("nan")
+    return out
+
+
+def test_config_from_env() -> None:
+    cfg = HookConfig.from_env({"KDTREE_VERIFY": "validate", "SHADOWD_SAMPLE": "1/8", "SHADOWD_SPOT_CHECK": "10"})
+    assert cfg.mode == "validate" and cfg.sampling.every_n() == 8 and cfg.spot_every == 10
+    assert HookConfig.from_env({"SHADOWD_MODE": "on", "KDTREE_VERIFY": "off"}).mode == "on"
+    assert HookConfig.from_env({}).mode == "off"
+    assert parse_sampling("0.25").every_n() == 4 and parse_sampling("all").every == 1
+    with pytest.raises(ValueError):
+        parse_mode("sometimes")
+
+
+def test_off_runs_only_the_baseline() -> None:
+    rt, sink = make_runtime("off")
+    calls = []
+    site = ShadowSite("s", base_fn, lambda *a: calls.append(1), runtime=rt)
+    x, w = inputs()
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+    assert not calls and not sink
+
+
+def test_validate_returns_baseline_bit_for_bit_and_emits_stats() -> None:
+    rt, sink = make_runtime("validate")
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    out = site(x, w, layer=0, bucket=Bucket(batch_size=2, draft_tokens=8, prefix_len=100, heads=4))
+    ref = base_fn(x, w)
+    assert out.dtype == ref.dtype and torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    (s,) = sink
+    assert s["mode"] == "validate" and s["error"] is None and s["batch_size"] == 2 and s["heads"] == 4
+    assert s["numel"] == out.numel() and s["max_abs"] > 0 and s["base_us"] >= 0 and s["cand_us"] >= 0
+    assert sum(s["hist"]) == out.numel()
+
+
+@pytest.mark.parametrize("cand,error", [(raising, "exception:RuntimeError"), (lambda x, w: base_fn(x, w)[:1], "shape"),
+                                        (lambda x, w: base_fn(x, w).float(), "dtype"), (lambda x, w: None, "type")])
+def test_validate_candidate_failures_become_samples(cand: object, error: str) -> None:
+    rt, sink = make_runtime("validate", disable_after=3)
+    site = ShadowSite("s", base_fn, cand, runtime=rt)  # type: ignore[arg-type]
+    x, w = inputs()
+    for i in range(5):
+        assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+        if i < 3:
+            assert sink[-1]["error"] == error and math.isnan(sink[-1]["max_abs"])
+    assert len(sink) == 3, "disabled after 3 consecutive errors: no more shadow calls"
+    assert rt.disabled and rt.producer_stats()["disabled"] == 1
+
+
+def test_validate_nan_never_reaches_the_caller() -> None:
+    rt, sink = make_runtime("validate")
+    site = ShadowSite("s", base_fn, nan_cand, runtime=rt)
+    x, w = inputs()
+    out = site(x, w, layer=0)
+    assert torch.isfinite(out.float()).all()
+    assert sink[0]["cand_nonfinite"] == 1 and sink[0]["nan_cand"] == 1 and math.isnan(sink[0]["rel_l2"])
+
+
+def test_candidate_cannot_modify_inputs() -> None:
+    rt, _sink = make_runtime("validate")
+
+    def scribbler(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)  # small input: the candidate only sees a clone
+        w.zero_()
+        return cand_fn(x, w)
+
+    site = ShadowSite("s", base_fn, scribbler, runtime=rt)
+    x, w = inputs()
+    x0, w0 = x.clone(), w.clone()
+    site(x, w, layer=0)
+    assert torch.equal(x, x0) and torch.equal(w, w0)
+
+
+def test_large_shared_input_modification_is_detected_and_disables() -> None:
+    rt, sink = make_runtime("validate")
+
+    def scribbler(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w.add_(0)  # an in-place write to a shared (too large to clone) tensor
+        return cand_fn(x, w)
+
+    site = ShadowSite("s", base_fn, scribbler, runtime=rt, clone_max_bytes=1024)
+    x, w = inputs()
+    site(x, w, layer=0)
+    assert sink[0]["error"] == "input_modified" and rt.disabled
+
+
+def test_sampling_every_nth_step_all_layers_of_a_step() -> None:
+    rt, sink = make_runtime("validate", sampling=Sampling(3))
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    for _step in range(9):
+        for layer in range(2):
+            site(x, w, layer=layer)
+    assert sorted({s["step"] for s in sink}) == [3, 6, 9]
+    assert len(sink) == 6
+
+
+def test_on_mode_returns_candidate_and_spot_checks() -> None:
+    rt, sink = make_runtime("on", spot_every=4)
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    outs = [site(x, w, layer=0) for _ in range(8)]
+    assert all(torch.equal(o, cand_fn(x, w)) for o in outs)
+    assert [s["step"] for s in sink] == [4, 8] and all(s["mode"] == "on" for s in sink)
+    assert not rt.fallback
+
+
+@pytest.mark.parametrize("bad", ["nan", "exception", "large"])
+def test_on_mode_hard_failure_falls_back_and_sticks(bad: str) -> None:
+    rt, _sink = make_runtime("on", spot_every=2)
+    state = {"n": 0}
+
+    def flaky(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        state["n"] += 1
+        if state["n"] >= 3:
+            if bad == "exception":
+                raise RuntimeError("boom")
+            out = cand_fn(x, w)
+            if bad == "nan":
+                out[0, 0] = float("nan")
+            else:
+                out = out * 2
+            return out
+        return cand_fn(x, w)
+
+    site = ShadowSite("s", base_fn, flaky, runtime=rt)
+    x, w = inputs()
+    results = [site(x, w, layer=0) for _ in range(10)]
+    assert rt.fallback and rt.producer_stats()["fallback"] == 1
+    first_bad = 2  # third call (step 3) is the first faulty one
+    for o in results[first_bad + 1:]:
+        assert torch.equal(o, base_fn(x, w)), "after the fall-back every call is the baseline's"
+    n_cand_calls = state["n"]
+    site(x, w, layer=0)
+    assert state["n"] == n_cand_calls, "the candidate never runs again"
+
+
+def test_on_mode_uncovered_bucket_served_by_baseline() -> None:
+    rt, sink = make_runtime("on", max_draft_tokens=64, max_prefix_len=131072)
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    out = site(x, w, layer=0, bucket=Bucket(draft_tokens=8, prefix_len=200_000))
+    assert torch.equal(out, base_fn(x, w))
+    assert sink and sink[-1]["mode"] == "validate", "shadowed to gather coverage"
+    out = site(x, w, layer=0, bucket=Bucket(draft_tokens=8, prefix_len=4096))
+    assert torch.equal(out, cand_fn(x, w))
+
+
+def test_kill_switch_lowers_the_mode_on_the_next_call() -> None:
+    rt, sink = make_runtime("on", spot_every=1000)
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    assert torch.equal(site(x, w, layer=0), cand_fn(x, w))
+    rt.set_override("validate")
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w)) and sink[-1]["mode"] == "validate"
+    rt.set_override("off")
+    n = len(sink)
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w)) and len(sink) == n
+    rt.set_override("on")  # an override never raises the mode above the configured one
+    rt.set_override(None)
+    assert rt.mode == "on"
+
+
+def test_sink_failure_is_isolated() -> None:
+    def broken_sink(sample: dict) -> None:
+        raise OSError("disk full")
+
+    rt, _ = make_runtime("validate")
+    rt.sink = broken_sink
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+    assert site.errors["sink"] == 1
+
+
+def test_oracle_errors_recorded() -> None:
+    rt, sink = make_runtime("validate", oracle_every=2, oracle_chunk_rows=3)
+    site = ShadowSite("s", base_fn, cand_fn, oracle=lambda x, w: x.float() @ w.float(), runtime=rt)
+    x, w = inputs()
+    site(x, w, layer=0)
+    site(x, w, layer=0)
+    assert sink[0]["oracle_cand_err"] is None
+    assert sink[1]["oracle_cand_err"] > 0 and sink[1]["oracle_base_err"] > 0
+
+
+def test_bundle_saved_bounded_and_replayed(tmp_path: Path) -> None:
+    rt, _sink = make_runtime("validate", bundle_dir=tmp_path / "b", bundle_max=2)
+    site = ShadowSite("toy", base_fn, nan_cand, runtime=rt,
+                      refs={"baseline": "tests.hook.conftest:base_fn", "candidate": "tests.hook.test_site:nan_cand",
+                            "oracle": ""})
+    x, w = inputs()
+    for _ in range(4):
+        site(x, w, layer=0)
+    bundles = sorted((tmp_path / "b").iterdir())
+    assert len(bundles) == 2
+    assert {p.name for p in bundles[0].iterdir()} == {"tensors.safetensors", "meta.json"}
+    res = replay_bundle(bundles[0], oracle=lambda x, w: x.float() @ w.float())
+    assert res["reason"] == "nonfinite" and res["saved"]["cand_nonfinite"] == 1
+    assert res["rerun"]["cand_nonfinite"] == 1 and res["reproducible"] == {"baseline": 0.0, "candidate": 0.0}
+    assert res["oracle"]["baseline_err"] > 0
+    assert "candidate-only non-finite 1" in format_report(res)

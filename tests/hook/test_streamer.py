@@ -1,0 +1,252 @@
+"""The streamer against a real collector: batches, spool and replay, never-blocking enqueue, kill switch."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
+from shadowd.collector.batch import parse_batch
+from shadowd.hook.site import ShadowSite
+from shadowd.hook.spool import Spool
+from shadowd.hook.streamer import Streamer, build_batch
+from shadowd.wire import HIST_BINS, decode_msgpack
+from tests.hook.conftest import Collector, base_fn, cand_fn, free_port, inputs, make_runtime, run_body
+
+
+def sample(i: int, layer: int = 0) -> dict[str, Any]:
+    return {"layer": layer, "rank": 0, "step": i, "call": i, "ts": time.time(), "batch_size": 1, "draft_tokens": 8,
+            "prefix_len": 100, "heads": 8, "numel": 4096, "max_abs": 1e-3, "mean_abs": 1e-4, "max_rel": 1e-2,
+            "rel_l2": 2e-3, "cos_diff": 2e-6, "out_scale": 1.0, "nan_base": 0, "inf_base": 0, "nan_cand": 0,
+            "inf_cand": 0, "cand_nonfinite": 0, "base_nonfinite": 0, "hist": [0] * (HIST_BINS - 1) + [4096],
+            "error": None, "mode": "validate", "cand_us": 10.0, "base_us": 20.0}
+
+
+def wait_for(cond: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_batches_are_valid_wire_batches() -> None:
+    rt, sink = make_runtime("validate")
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    for layer in range(3):
+        site(x, w, layer=layer)
+    site_err = ShadowSite("s", base_fn, lambda *a: 1 / 0, runtime=rt)
+    site_err(x, w, layer=0)
+    batch = build_batch("p1", 0, list(sink), {"dropped": 0, "spool_depth": 0, "fallback": 0})
+    vb = parse_batch(batch)
+    assert vb.n == 4 and vb.cols["error"][-1] == "exception:ZeroDivisionError"
+
+
+def test_client_errors_are_typed(collector: Collector) -> None:
+    c = CollectorClient(collector.url)
+    run = c.register_run(run_body("typed"))
+    assert c.register_run(run_body("typed"))["id"] == run["id"]
+    with pytest.raises(BatchRejected) as e:
+        c.post_batch(run["id"], b"\x93garbage")
+    assert 400 <= e.value.status < 500
+    with pytest.raises(BatchRejected) as e:
+        c.get_run(99999)
+    assert e.value.status == 404
+    status, body = c.readiness(run["id"])
+    assert status == 503 and body["verdict"] in ("INSUFFICIENT_DATA", "NOT_READY")
+    with pytest.raises(CollectorUnavailable):
+        CollectorClient(f"http://127.0.0.1:{free_port()}", timeout=1).get_run(1)
+
+
+def db_samples(db: Path, run_id: int) -> list[tuple[str, int]]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute("SELECT producer, call FROM samples WHERE run_id = ?", (run_id,)).fetchall()
+    finally:
+        con.close()
+
+
+def test_collector_down_spool_then_replay_exactly_once(collector: Collector, tmp_path: Path) -> None:
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("spool"))["id"]
+    spool = Spool(tmp_path / "spool", 64 * 2**20)
+    st = Streamer(client, run_id, spool, flush_interval_s=0.05, batch_max=50).start()
+    for i in range(100):
+        st.submit(sample(i))
+    assert st.flush(30)
+    collector.stop()
+    for i in range(100, 400):
+        st.submit(sample(i))
+        if i % 50 == 0:
+            time.sleep(0.1)  # several batches while down
+    assert wait_for(lambda: st._q.empty() and spool.depth() >= 2)
+    depth_while_down = spool.depth()
+    collector.start()
+    st._retry_at = 0.0  # skip the remaining backoff
+    assert st.flush(60), st.last_error
+    st.close()
+    rows = db_samples(collector.db_path, run_id)
+    calls = sorted(c for _, c in rows)
+    assert calls == list(range(400)), "every sample stored exactly once"
+    assert depth_while_down >= 2 and spool.depth() == 0 and st.dropped == 0
+    assert client.get_run(run_id)["samples"] == 400
+
+
+def test_spool_bound_drops_are_counted_and_reported(collector: Collector, tmp_path: Path) -> None:
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("drops"))["id"]
+    dead = CollectorClient(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+    spool = Spool(tmp_path / "spool", 4000)  # room for about one small batch
+    st = Streamer(dead, run_id, spool, flush_interval_s=0.05, batch_max=10).start()
+    for i in range(60):
+        st.submit(sample(i))
+        if i % 10 == 9:
+            time.sleep(0.15)
+    assert wait_for(lambda: st._q.empty() and st.dropped > 0)
+    dropped = st.dropped
+    st.client = client  # the collector is back
+    st._retry_at = 0.0
+    st.submit(sample(1000))
+    assert st.flush(30)
+    st.close()
+    con = sqlite3.connect(collector.db_path)
+    stats = con.execute("SELECT * FROM producers WHERE run_id = ?", (run_id,)).fetchall()
+    con.close()
+    assert dropped >= 10 and stats, "the producer's drop count reached the collector"
+    assert client.get_run(run_id)["samples"] + dropped == 61
+
+
+def test_rejected_batches_are_dropped_not_retried(collector: Collector, tmp_path: Path) -> None:
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("reject"))["id"]
+    st = Streamer(client, run_id, Spool(tmp_path / "s", 2**20), flush_interval_s=0.05).start()
+    bad = sample(0)
+    bad["layer"] = 99  # beyond num_layers: 422
+    st.submit(bad)
+    assert st.flush(20)
+    st.submit(sample(1))
+    assert st.flush(20)
+    st.close()
+    assert st.rejected == 1 and st.sent == 1 and st.spool.depth() == 0
+
+
+class Silent:
+    """A 'collector' that accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.accepted = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            self.accepted.set()
+
+
+def test_enqueue_never_waits_on_a_collector_that_never_answers(tmp_path: Path) -> None:
+    silent = Silent()
+    entered = threading.Event()
+    release = threading.Event()
+
+    class Probe(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            entered.set()
+            try:
+                return super().handle_request(request)
+            finally:
+                release.wait(30)
+
+    client = CollectorClient(f"http://127.0.0.1:{silent.port}", timeout=60.0, transport=Probe())
+    rt, _ = make_runtime("validate")
+    st = Streamer(client, 1, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.01, batch_max=5, queue_max=100)
+    rt.streamer = st.start()
+    rt.sink = None
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    site(x, w, layer=0)
+    assert entered.wait(30) and silent.accepted.wait(30)
+    # the sender thread is now blocked inside a POST that will never be answered
+    assert st._thread.is_alive()
+    n = 1000
+    for _ in range(n):
+        site(x, w, layer=0)
+    assert rt.emitted == n + 1, "every call completed while the sender was blocked"
+    assert st._q.qsize() == 100, "bounded memory: the queue holds its maximum"
+    assert st.dropped == n - 100, "the rest was dropped and counted (the first sample is in the blocked POST)"
+    release.set()
+    silent.sock.close()
+
+
+def test_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path) -> None:
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("kill"))["id"]
+    rt, _ = make_runtime("on", spot_every=1)
+    rt.sink = None
+    st = Streamer(client, run_id, Spool(tmp_path / "s", 2**20), flush_interval_s=0.05, poll_interval_s=0.2,
+                  on_mode_override=rt.set_override, stats=rt.producer_stats)
+    rt.streamer = st.start()
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    site(x, w, layer=0)
+    assert st.flush(20) and rt.mode == "on"
+    CollectorClient(collector.url).set_mode(run_id, "validate")
+    assert wait_for(lambda: rt.mode == "validate", 20), "the poll brought the kill switch"
+    import torch
+
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+    CollectorClient(collector.url).set_mode(run_id, "off")
+    assert wait_for(lambda: rt.mode == "off", 20)
+    CollectorClient(collector.url).set_mode(run_id, None)
+    assert wait_for(lambda: rt.mode == "on", 20)
+    st.close()
+
+
+def test_spool_files_are_exact_bodies(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, 10_000)
+    body = b"x" * 100
+    assert sp.push(3, "prod", 7, body) and sp.push(3, "prod", 8, body)
+    assert not sp.push(3, "prod", 9, b"y" * 20_000)
+    again = Spool(tmp_path, 10_000)
+    e = again.peek()
+    assert e is not None and (e.run_id, e.seq, e.producer) == (3, 7, "prod") and e.read() == body
+    again.pop(e)
+    assert again.depth() == 1
+    assert decode_msgpack(b"\x90") == []
+
+
+def test_start_streaming_registers_applies_kill_switch_and_delivers(collector: Collector, tmp_path: Path) -> None:
+    from shadowd.hook.config import HookConfig
+    from shadowd.hook.runtime import HookRuntime
+
+    admin = CollectorClient(collector.url)
+    run_id = admin.register_run(run_body("start"))["id"]
+    admin.set_mode(run_id, "validate")
+    rt = HookRuntime(HookConfig(mode="on", url=collector.url, run_key="start", spool_dir=tmp_path / "spool",
+                                flush_interval_s=0.05))
+    st = rt.start_streaming({k: v for k, v in run_body("x").items() if k != "run_key"})
+    assert rt.run_id == run_id and rt.mode == "validate", "the registration answer carries the kill switch"
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    for layer in range(4):
+        site(x, w, layer=layer)
+    assert st.flush(30)
+    st.close()
+    assert admin.get_run(run_id)["samples"] == 4

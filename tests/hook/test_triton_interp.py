@@ -1,0 +1,118 @@
+"""The Triton kernels and the device path's decisions on the CPU, through TRITON_INTERPRET=1.
+
+Runs in a subprocess (the interpreter is chosen when kernels are defined). CUDA-only calls are stood in
+for (pinned memory → plain tensors, one fake device); the system fence and timers are compiled out
+(FENCE/USE_TIMER), everything else — statistics, ring records, sampling, spot checks, the sticky
+fallback and the kill switch word — is the kernels' own code. Skipped when Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+
+SCRIPT = r'''
+import json, math, sys
+from types import SimpleNamespace
+import torch
+torch.Tensor.pin_memory = lambda self: self
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_properties = lambda d: SimpleNamespace(multi_processor_count=1)
+CAPTURE = [False]
+torch.cuda.is_current_stream_capturing = lambda: CAPTURE[0]
+import shadowd.hook.device as dev
+real_device = torch.device
+dev.torch = SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
+dev.torch.device = lambda *a: real_device("cpu")
+dev.torch.cuda = torch.cuda
+from shadowd.hook import site as site_mod
+site_mod._tensors = lambda a, k: [SimpleNamespace(is_cuda=True)]
+from shadowd.hook.config import HookConfig, Sampling
+from shadowd.hook.diffstats import finalize, stats_torch
+from shadowd.hook.runtime import HookRuntime
+from shadowd.hook.site import Bucket, ShadowSite
+out = {}
+g = torch.Generator().manual_seed(0)
+b = torch.randn(37, 3, 32, generator=g)
+c = b + 1e-3 * torch.randn(37, 3, 32, generator=g)
+c[3, 1, 5] = float("nan"); b[7, 0, 1] = float("inf"); c[7, 0, 1] = float("inf"); b[9, 2, 9] = float("nan")
+c[11, 0, 2] = b[11, 0, 2]
+valid = torch.tensor([30], dtype=torch.int32)
+got = finalize(dev.fused_raw_stats(c, b, valid).tolist())
+ref = stats_torch(c, b, 30 * 96)
+out["stats_equal"] = all((math.isnan(got[k]) and math.isnan(ref[k])) or got[k] == ref[k]
+                         if isinstance(ref[k], float) else got[k] == ref[k] for k in ref if k != "max_pos")
+out["stats_close"] = all(math.isclose(got[k], ref[k], rel_tol=1e-5) or (math.isnan(got[k]) and math.isnan(ref[k]))
+                         for k in ref if isinstance(ref[k], float))
+c2 = torch.where(torch.isnan(c), b, c)
+got2, ref2 = finalize(dev.fused_raw_stats(c2, b).tolist()), stats_torch(c2, b)
+out["max_pos"] = [got2["max_pos"], ref2["max_pos"]]
+out["hist_equal"] = got2["hist"] == ref2["hist"] and got["hist"] == ref["hist"]
+
+def base(x, w): return x.float() @ w.float()
+scale = torch.ones(1)
+def cand(x, w): return (x.half().float() @ w.float()) * scale
+x = torch.randn(16, 32, generator=g); w = torch.randn(32, 8, generator=g)
+meta = torch.tensor([2, 16, 300])
+bk = Bucket(batch_size=2, draft_tokens=16, prefix_len=300, heads=4, valid_rows=torch.tensor([12], dtype=torch.int32),
+            meta=meta)
+rt = HookRuntime(HookConfig(mode="validate", sampling=Sampling(2)), sink=lambda s: None)
+ds = rt.device(); ds.use_timer = False
+s = ShadowSite("t", base, cand, runtime=rt)
+for _ in range(4):
+    o = s(x, w, layer=0, bucket=bk)
+    assert torch.equal(o, base(x, w))
+recs = ds.poll()
+out["eager_steps"] = [r["step"] for r in recs]
+out["eager_numel"] = recs[0]["numel"]
+out["eager_bucket"] = [recs[0]["batch_size"], recs[0]["draft_tokens"], recs[0]["prefix_len"], recs[0]["heads"]]
+out["eager_max_abs_ok"] = math.isclose(recs[0]["max_abs"], stats_torch(cand(x, w), base(x, w), 96)["max_abs"],
+                                       rel_tol=1e-6)
+CAPTURE[0] = True  # from here the kernels decide, as on graph replay
+for _ in range(4):
+    s(x, w, layer=0, bucket=bk)
+out["device_steps"] = [r["step"] for r in ds.poll()]
+rt.set_override("off")
+for _ in range(4):
+    s(x, w, layer=0, bucket=bk)
+out["kill_switch_records"] = len(ds.poll())
+rt2 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
+ds2 = rt2.device(); ds2.use_timer = False
+s2 = ShadowSite("t2", base, cand, runtime=rt2)
+res = []
+for i in range(6):
+    if i == 3:
+        scale.fill_(3.0)
+    o = s2(x, w, layer=0, bucket=bk)
+    res.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
+    ds2.poll()
+out["on_outputs"] = res
+out["fallback"] = rt2.fallback
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None:
+    script = tmp_path / "interp.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(line[0][7:])
+    assert r["stats_close"] and r["hist_equal"], r
+    assert r["max_pos"][0] == r["max_pos"][1]
+    assert r["eager_steps"] == [2, 4] and r["eager_numel"] == 12 * 8 and r["eager_bucket"] == [2, 16, 300, 4]
+    assert r["eager_max_abs_ok"]
+    assert r["device_steps"] == [6, 8], "sampling decided by the control kernel: every 2nd step"
+    assert r["kill_switch_records"] == 0, "the pinned kill-switch word stops the statistics"
+    # calls 1..6 = steps 1..6, spot checks at 2, 4, 6; the candidate turns bad at call 4 (a spot check)
+    assert r["on_outputs"] == ["cand", "cand", "cand", "base", "base", "base"] and r["fallback"]

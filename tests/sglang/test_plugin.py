@@ -1,0 +1,175 @@
+"""The shadowd SGLang plugin against the real sglang 0.5.23 (CPU, Triton interpreter, fp32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.sglang.builders import make_case, run_layers
+
+VERIFY = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
+
+
+def _runtime(mode: str, **cfg: Any) -> list[dict[str, Any]]:
+    from shadowd.hook.config import HookConfig
+    from shadowd.hook.runtime import HookRuntime, set_runtime
+
+    samples: list[dict[str, Any]] = []
+    set_runtime(HookRuntime(HookConfig(mode=mode, **cfg), sink=samples.append))
+    return samples
+
+
+def _load(plugins: Any, monkeypatch: pytest.MonkeyPatch, mode: str | None) -> None:
+    if mode is not None:
+        monkeypatch.setenv("SHADOWD_MODE", mode)
+    plugins.load_plugins()
+
+
+def test_off_registers_nothing(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import shadowd.sglang.plugin as plugin
+
+    original = sgl.TritonAttnBackend.__dict__["forward_extend"]
+    _load(fresh_plugins, monkeypatch, None)
+    assert plugin.state().mode == "off"
+    assert plugin.state().registered == []
+    assert dict(HookRegistry._hooks) == {}
+    assert sgl.TritonAttnBackend.__dict__["forward_extend"] is original
+
+
+def test_kdtree_verify_off_spelling(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shadowd.sglang.plugin as plugin
+
+    monkeypatch.setenv("KDTREE_VERIFY", "off")
+    _load(fresh_plugins, monkeypatch, None)
+    assert plugin.state().registered == []
+
+
+def test_discovered_by_load_plugins_and_wraps_forward_extend(sgl: Any, fresh_plugins: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    import shadowd.sglang.plugin as plugin
+
+    original = sgl.TritonAttnBackend.__dict__["forward_extend"]
+    _load(fresh_plugins, monkeypatch, "validate")
+    assert plugin.state().mode == "validate"
+    assert VERIFY in plugin.state().registered
+    assert [ht for ht, _, _ in HookRegistry._hooks[VERIFY]] == [HookType.AROUND]
+    src = HookRegistry._hooks[VERIFY][0][2]
+    assert src is not None and src.plugin_name == "shadowd"  # registered from inside load_plugins()
+    wrapped = sgl.TritonAttnBackend.__dict__["forward_extend"]
+    assert wrapped is not original and wrapped.__wrapped__ is original
+    fresh_plugins.load_plugins()  # idempotent
+    assert len(HookRegistry._hooks[VERIFY]) == 1
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["tree-mask", "causal"])
+def test_validate_returns_triton_exactly_one_sample_per_layer(sgl: Any, fresh_plugins: Any,
+                                                              monkeypatch: pytest.MonkeyPatch, causal: bool) -> None:
+    ref_case = make_case(sgl, causal=causal)
+    expected = run_layers(ref_case)  # the un-hooked SGLang
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    case = make_case(sgl, causal=causal)
+    got = run_layers(case)
+    for e, o in zip(expected, got, strict=True):
+        assert o.shape == e.shape == (8, 2 * 512) and o.dtype == torch.float32
+        assert torch.equal(o, e)
+    for i in range(len(case.layers)):  # the cache SGLang wrote, bit for bit
+        assert torch.equal(case.pool.get_key_buffer(i), ref_case.pool.get_key_buffer(i))
+    assert [s["layer"] for s in samples] == [0, 1, 2]
+    for s in samples:
+        assert s["mode"] == "validate" and s["error"] is None
+        assert (s["batch_size"], s["draft_tokens"], s["prefix_len"], s["heads"]) == (2, 4, 13, 2)
+        assert s["rank"] == 0 and s["step"] == 1
+        assert s["cand_nonfinite"] == 0 and s["base_nonfinite"] == 0
+        assert s["max_abs"] < 1e-4  # candidate here: the fp32 oracle; baseline: Triton fp32
+    assert {s["new_requests"] for s in samples[1:]} == {None}
+
+
+def test_non_verify_modes_and_draft_runner_untouched(sgl: Any, fresh_plugins: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import shadowd.sglang.plugin as plugin
+
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    original = sgl.TritonAttnBackend.__dict__["forward_extend"].__wrapped__
+    for kw in ({"mode": "EXTEND"}, {"mode": "DRAFT_EXTEND_V2"}, {"draft_runner": True}):
+        expected = run_layers(make_case(sgl, **kw), forward_extend=original)
+        got = run_layers(make_case(sgl, **kw))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), kw
+    assert samples == []
+    v = plugin.state().verify
+    assert v.shadowed == 0 and v.passed == 9
+    assert set(v.reasons) == {"not target verify", "draft runner"}
+
+
+def test_on_mode_serves_candidate_and_writes_cache_as_sglang(sgl: Any, fresh_plugins: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_tree_verify import oracle
+
+    ref_case = make_case(sgl)
+    expected = run_layers(ref_case)
+    samples = _runtime("on", spot_every=1000)
+    _load(fresh_plugins, monkeypatch, "on")
+    case = make_case(sgl)
+    got = run_layers(case)
+    md = case.backend.forward_metadata
+    for i, (e, o) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(case.pool.get_key_buffer(i), ref_case.pool.get_key_buffer(i))
+        cand = oracle.attention(case.q[i].view(8, 2, 576), case.k[i], case.pool.get_key_buffer(i), md.qo_indptr,
+                                md.kv_indptr, md.kv_indices, md.custom_mask, md.mask_indptr, 192**-0.5,
+                                dtype=torch.float32)
+        assert torch.equal(o, cand.view(8, 1024))  # the candidate's result, SGLang's layout
+        assert (o - e).abs().max() < 1e-4
+    assert samples == []  # step 1 is not a spot-check step (1 in 1000)
+
+
+def test_on_mode_fills_sglang_output_buffer(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _runtime("on", spot_every=1000)
+    _load(fresh_plugins, monkeypatch, "on")
+    case = make_case(sgl, layers=1)
+    buf = torch.full((8, 1024), float("nan"))
+    case.forward_batch._attn_output = buf
+    (out,) = run_layers(case)
+    assert out.data_ptr() != buf.data_ptr()  # run_layers clones; the buffer itself was filled:
+    assert torch.isfinite(buf).all() and torch.equal(out, buf)
+
+
+def test_kill_switch_off_at_runtime_is_plain_sglang(sgl: Any, fresh_plugins: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from shadowd.hook.runtime import get_runtime
+
+    expected = run_layers(make_case(sgl))
+    samples = _runtime("on")
+    _load(fresh_plugins, monkeypatch, "on")
+    get_runtime().set_override("off")
+    got = run_layers(make_case(sgl))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert samples == []
+
+
+def test_spec_accept_length_per_mode(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
+
+    import shadowd.sglang.plugin as plugin
+    from shadowd.hook.runtime import get_runtime
+
+    _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    rep = SimpleNamespace(spec_num_accept_tokens=0, spec_num_correct_drafts=0, spec_num_forward_ct=0,
+                          spec_num_block_accept_tokens=0, spec_num_cap_tokens=0)
+    SchedulerMetricsReporter.update_spec_metrics(rep, 4, 6, 10)  # the real method, through the hook
+    get_runtime().set_override("off")
+    SchedulerMetricsReporter.update_spec_metrics(rep, 2, 1, 3)
+    assert rep.spec_num_accept_tokens == 13 and rep.spec_num_forward_ct == 6  # SGLang's own counters intact
+    spec = plugin.state().spec
+    assert spec.summary("validate") == (2.5, 10.0)
+    assert spec.summary("off") == (1.5, 3.0)
+    assert spec.producer_stats(("spec_passes_off",)) == {"spec_passes_off": 1}
