@@ -57,7 +57,7 @@ class _Inert:
 class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """``sgl_kernel`` / ``httpx2`` stand-ins: inert modules (``is_arch_support_pdl()`` → False)."""
 
-    NAMES = ("sgl_kernel", "httpx2")
+    NAMES = ("sgl_kernel",)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname.split(".")[0] in self.NAMES:
@@ -81,6 +81,9 @@ class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def standins() -> None:
+    import httpx
+
+    sys.modules.setdefault("httpx2", httpx)  # httpx2 is httpx's successor; its import-time use needs URL
     sys.meta_path.insert(0, _StandIn())
     from tests.sglang import torchvision_stub
 

@@ -159,7 +159,8 @@ def _device_meta(kv_indptr: torch.Tensor, bs: int, draft: int) -> torch.Tensor:
     """``int64 [batch, draft, longest prefix]`` on the device, from ``kv_indptr`` (capturable: no sync)."""
     lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
     meta = torch.empty(3, dtype=torch.int64, device=kv_indptr.device)
-    meta[0] = bs
-    meta[1] = draft
+    # fill_ takes the scalar as a kernel argument: no host-to-device copy, so it is capturable
+    meta[0:1].fill_(bs)
+    meta[1:2].fill_(draft)
     meta[2:3] = lens.amax(dim=0, keepdim=True)
     return meta
