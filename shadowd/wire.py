@@ -35,6 +35,7 @@ __all__ = [
     "HIST_EXP_MIN",
     "MSGPACK",
     "PRODUCER_STATS",
+    "SPEC_MODES",
     "Column",
     "decode_msgpack",
     "encode_msgpack",
@@ -113,13 +114,19 @@ COLUMNS: tuple[Column, ...] = (
            required=False, nullable=True),
 )
 
-#: Optional per-batch producer health figures (all non-negative integers).
+SPEC_MODES = ("off", "validate", "on")
+
+#: Optional per-batch producer figures (all non-negative integers): health, and cumulative
+#: speculative-decoding counters per mode.
 PRODUCER_STATS: tuple[str, ...] = (
     "spool_depth",     # batches waiting in the on-disk spool
     "dropped",         # samples dropped since start (spool bound hit)
     "fallback",        # 1 when an on-mode hook has fallen back to the baseline
     "disabled",        # 1 when the candidate is disabled for the process
     "device_errors",   # kernel-side error flags (out-of-range indices) seen
+    # SGLang's speculative decoding, cumulative per mode in effect (off / validate / on): accepted
+    # tokens, request-steps (accept length = tokens / request-steps) and verify passes
+    *(f"spec_{what}_{mode}" for mode in ("off", "validate", "on") for what in ("accept_tokens", "req_steps", "passes")),
 )
 
 

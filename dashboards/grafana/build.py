@@ -39,6 +39,7 @@ KEY_PANELS = (
     "Ingest rate",
     "Producer spool depth",
     "Device time per call: candidate vs baseline",
+    "Speculative accept length by hook mode",
 )
 
 R = 'run=~"$run"'
@@ -530,6 +531,23 @@ def build() -> dict[str, Any]:
             unit="suffix:×",
         ),
         w=8,
+        h=8,
+    )
+
+    lay.add(
+        _panel(
+            "timeseries",
+            "Speculative accept length by hook mode",
+            [
+                _target(
+                    f"max by (mode) (shadowd_spec_accept_length{{{R}}})",
+                    "{{mode}}",
+                )
+            ],
+            "SGLang's accept length (accepted tokens per request-step) while the hook was off, validating "
+            "or serving the candidate: the end-to-end effect of switching on.",
+        ),
+        w=24,
         h=8,
     )
 

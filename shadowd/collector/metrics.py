@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, select
 
 from shadowd.collector import tables as t
-from shadowd.collector.queries import runs_for_metrics
+from shadowd.collector.queries import runs_for_metrics, speculative_of
 from shadowd.judge.bins import NONFINITE_BIN, ZERO_BIN
 
 __all__ = ["HIST_EXPORTS", "CollectorMetrics", "RollupExporter", "cell_bucket_label"]
@@ -198,6 +198,19 @@ class RollupExporter(Collector):
             "gaps": ("shadowd_producer_sequence_gaps", "Batches missing from a producer's sequence"),
             "device_errors": ("shadowd_producer_device_errors", "Kernel-side index errors a producer saw"),
         }
+        by_run: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for p in prods:
+            by_run[p["run_id"]].append(p)
+        accept = GaugeMetricFamily("shadowd_spec_accept_length",
+                                   "SGLang's speculative accept length (tokens per request-step) per hook mode",
+                                   labels=["run", "mode"])
+        passes = CounterMetricFamily("shadowd_spec_verify_passes", "Verify passes counted per hook mode",
+                                     labels=["run", "mode"])
+        for run_id, ps in sorted(by_run.items()):
+            for mode, s in speculative_of(ps).items():
+                accept.add_metric([str(run_id), mode], s["accept_length"])
+                passes.add_metric([str(run_id), mode], s["verify_passes"])
+        yield from (accept, passes)
         for col, (name, doc) in specs.items():
             fam = GaugeMetricFamily(name, doc, labels=["run", "rank"])
             acc: dict[tuple[int, int], float] = defaultdict(float)

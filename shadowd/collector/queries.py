@@ -11,8 +11,10 @@ from sqlalchemy import Engine, func, select
 from shadowd.collector import tables as t
 from shadowd.collector.store import UnknownRun
 from shadowd.judge.inputs import RunRollups, StepCounts
+from shadowd.wire import SPEC_MODES
 
-__all__ = ["layer_summary", "list_runs", "load_rollups", "producers_of", "run_row", "runs_for_metrics"]
+__all__ = ["layer_summary", "list_runs", "load_rollups", "producers_of", "run_row", "runs_for_metrics",
+           "speculative", "speculative_of"]
 
 
 def list_runs(engine: Engine, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
@@ -113,3 +115,31 @@ def runs_for_metrics(engine: Engine, since: float) -> list[dict[str, Any]]:
     with engine.connect() as conn:
         rows = conn.execute(select(t.runs).where(t.runs.c.last_ingest_at >= since))
         return [dict(r) for r in rows.mappings()]
+
+
+def speculative_of(producers: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """SGLang's speculative accept length per hook mode, from producers' cumulative counters.
+
+    Every TP rank sees the same verify batches, so rank 0's producers are counted (all producers
+    when no rank 0 reported). ``accept_length`` = accepted tokens / request-steps (SGLang's
+    "accept len"); ``tokens_per_step`` = accepted tokens / verify passes. Modes with no pass are left out.
+    """
+    rank0 = [p for p in producers if p["rank"] == 0] or producers
+    out: dict[str, dict[str, float]] = {}
+    for mode in SPEC_MODES:
+        tokens = sum(int(p[f"spec_accept_tokens_{mode}"]) for p in rank0)
+        req_steps = sum(int(p[f"spec_req_steps_{mode}"]) for p in rank0)
+        passes = sum(int(p[f"spec_passes_{mode}"]) for p in rank0)
+        if passes:
+            out[mode] = {
+                "accept_length": tokens / req_steps if req_steps else 0.0,
+                "tokens_per_step": tokens / passes,
+                "verify_passes": passes,
+                "request_steps": req_steps,
+            }
+    return out
+
+
+def speculative(engine: Engine, run_id: int) -> dict[str, dict[str, float]]:
+    """:func:`speculative_of` the run's producers."""
+    return speculative_of(producers_of(engine, run_id))

@@ -74,9 +74,11 @@ class RunOut(BaseModel):
     first_sample_ts: float | None
     last_sample_ts: float | None
     last_ingest_at: float | None
+    speculative: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="SGLang's accept length per hook mode (off / validate / on)")
 
     @classmethod
-    def of(cls, row: dict[str, Any]) -> RunOut:
+    def of(cls, row: dict[str, Any], speculative: dict[str, dict[str, float]] | None = None) -> RunOut:
         return cls(
             id=row["id"], run_key=row["run_key"], model=row["model"], num_layers=row["num_layers"],
             tp_size=row["tp_size"], gpu_name=row["gpu_name"], gpu_arch=row["gpu_arch"], driver=row["driver"],
@@ -89,6 +91,7 @@ class RunOut(BaseModel):
             base_nonfinite=row["n_base_nonfinite"], exceeded_calls=row["n_exceed"], requests=row["n_requests"],
             oracle_samples=row["n_oracle"], first_sample_ts=row["first_sample_ts"],
             last_sample_ts=row["last_sample_ts"], last_ingest_at=row["last_ingest_at"],
+            speculative=speculative or {},
         )
 
 

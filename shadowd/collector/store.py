@@ -21,6 +21,7 @@ from shadowd.collector import tables as t
 from shadowd.collector.batch import BadBatch, ValidBatch
 from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, Rows, compute_deltas
 from shadowd.judge.policy import Policy
+from shadowd.wire import PRODUCER_STATS
 
 __all__ = ["Conflict", "IngestResult", "Store", "UnknownRun"]
 
@@ -223,8 +224,7 @@ class Store:
 
     def _record_producer(self, conn: Connection, run_id: int, b: ValidBatch, rank: int, now: float) -> int:
         p = t.producers.c
-        stats = {k: b.producer_stats.get(k, 0) for k in ("spool_depth", "dropped", "fallback", "disabled",
-                                                         "device_errors")}
+        stats = {k: b.producer_stats.get(k, 0) for k in PRODUCER_STATS}
         stmt = self._insert(t.producers).values(
             run_id=run_id, producer=b.producer, rank=rank, max_seq=b.seq, batches=1, gaps=b.seq, samples=b.n,
             first_seen=now, last_seen=now, **stats,
@@ -244,7 +244,16 @@ class Store:
             "last_seen": ex.last_seen,
             "rank": ex.rank,
         }
-        set_.update({k: ex[k] for k in stats if k in b.producer_stats})
+        # figures a producer reports are cumulative or sticky (drops, errors, fallback, spec counters):
+        # keep the largest, so a late re-delivered batch cannot move them back; the spool depth is a
+        # level, taken from the newest batch only
+        for k in stats:
+            if k not in b.producer_stats:
+                continue
+            if k == "spool_depth":
+                set_[k] = case((ex.max_seq >= p.max_seq, ex[k]), else_=p[k])
+            else:
+                set_[k] = self._greatest(p[k], ex[k])
         conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "producer"], set_=set_))
         got = conn.execute(
             select(p.gaps).where((p.run_id == run_id) & (p.producer == b.producer))

@@ -105,6 +105,8 @@ producers = Table(
     _counter("fallback"),
     _counter("disabled"),
     _counter("device_errors"),
+    *(_counter(f"spec_{what}_{mode}") for mode in ("off", "validate", "on")
+      for what in ("accept_tokens", "req_steps", "passes")),
     sqlite_with_rowid=False
 )
 

@@ -135,3 +135,33 @@ def test_packed_histograms_equal_list_histograms(fresh_sqlite, make_client):
     bad["samples"]["hist"] = bad["samples"]["hist"][:-8]
     r = post_msgpack(c, run_id, bad)
     assert r.status_code == 422 and r.json()["detail"]["field"] == "samples.hist"
+
+
+def test_speculative_accept_length_per_mode(db_url, make_client):
+    """Producers report SGLang's cumulative spec counters; the run shows accept length per mode."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=2))
+    validate = {"spec_accept_tokens_validate": 300, "spec_req_steps_validate": 100, "spec_passes_validate": 25}
+    on = {"spec_accept_tokens_on": 150, "spec_req_steps_on": 60, "spec_passes_on": 15}
+    b0 = make_batch(8, seq=0)
+    b0["producer_stats"] = validate
+    b1 = make_batch(8, seq=2, step0=20)
+    b1["producer_stats"] = {**validate, **on}
+    # rank 1 sees the same batches: it must not be counted twice
+    r1 = make_batch(8, seq=0, producer="rank1", rank=1)
+    r1["producer_stats"] = {**validate, **on}
+    for b in (b0, b1, r1):
+        assert post_msgpack(c, run_id, b).status_code == 200
+    # a late batch (seq 1 after seq 2, from the spool) does not move cumulative counters back
+    late = make_batch(8, seq=1, step0=10)
+    late["producer_stats"] = {"spec_accept_tokens_validate": 1, "spec_req_steps_validate": 1,
+                              "spec_passes_validate": 1}
+    assert post_msgpack(c, run_id, late).json()["duplicate"] is False
+    spec = c.get(f"/v1/runs/{run_id}").json()["speculative"]
+    assert spec["validate"]["accept_length"] == 3.0 and spec["validate"]["verify_passes"] == 25
+    assert spec["on"]["accept_length"] == 2.5 and spec["on"]["tokens_per_step"] == 10.0
+    assert "off" not in spec
+    assert c.get("/readiness", params={"run_id": run_id}).json()["speculative"] == spec
+    reg = c.app.state.metrics.registry
+    assert reg.get_sample_value("shadowd_spec_accept_length", {"run": str(run_id), "mode": "on"}) == 2.5
+    assert reg.get_sample_value("shadowd_spec_verify_passes_total", {"run": str(run_id), "mode": "validate"}) == 25

@@ -69,7 +69,10 @@ def _batch(
     b["samples"]["rel_l2"] = rel
     b["samples"]["cand_nonfinite"] = cand_nonfinite
     b["samples"]["nan_cand"] = cand_nonfinite
-    b["producer_stats"] = {"spool_depth": spool, "dropped": dropped, "fallback": 0, "disabled": 0}
+    b["producer_stats"] = {"spool_depth": spool, "dropped": dropped, "fallback": 0, "disabled": 0,
+                           # SGLang's speculative counters as the plugin reports them (cumulative)
+                           "spec_accept_tokens_validate": 30 * (seq + 1), "spec_req_steps_validate": 10 * (seq + 1),
+                           "spec_passes_validate": 5 * (seq + 1)}
     return b
 
 

@@ -173,3 +173,7 @@ def test_spec_accept_length_per_mode(sgl: Any, fresh_plugins: Any, monkeypatch: 
     assert spec.summary("validate") == (2.5, 10.0)
     assert spec.summary("off") == (1.5, 3.0)
     assert spec.producer_stats(("spec_passes_off",)) == {"spec_passes_off": 1}
+    from shadowd.wire import PRODUCER_STATS
+
+    sent = spec.producer_stats(PRODUCER_STATS)  # what rides in every wire batch to the collector
+    assert sent["spec_accept_tokens_validate"] == 10 and sent["spec_req_steps_off"] == 2 and len(sent) == 9

@@ -40,7 +40,9 @@ async def readiness(request: Request, state: State, run_id: int | None = Query(N
     def work() -> dict[str, Any]:
         run = queries.run_row(state.engine, run_id)
         report = ev.latest_or_evaluate(run["id"], run=run)
-        return {"run_id": run["id"], "run_key": run["run_key"], **report}
+        # the end-to-end effect beside the verdict: SGLang's accept length in each mode of the run
+        spec = queries.speculative(state.engine, run["id"])
+        return {"run_id": run["id"], "run_key": run["run_key"], **report, "speculative": spec}
 
     report = await run_in_threadpool(work)
     return JSONResponse(report, status_code=200 if report["verdict"] == READY else 503)

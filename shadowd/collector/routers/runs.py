@@ -34,7 +34,9 @@ async def list_runs(state: State, limit: int = Query(100, ge=1, le=1000),
 
 @router.get("/{run_id}")
 async def get_run(run_id: int, state: State) -> RunOut:
-    return RunOut.of(await run_in_threadpool(queries.run_row, state.engine, run_id))
+    """One run with its counters and SGLang's accept length per hook mode."""
+    row = await run_in_threadpool(queries.run_row, state.engine, run_id)
+    return RunOut.of(row, await run_in_threadpool(queries.speculative, state.engine, run_id))
 
 
 @router.get("/{run_id}/layers")
