@@ -9,7 +9,10 @@ batch back.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +84,19 @@ class Store:
         self.store_samples = store_samples
         self.dialect = engine.dialect.name
         self._sql_cache: dict[tuple[Any, ...], str] = {}
+        # SQLite has one writer at a time: queue writers on a lock in the process instead of letting
+        # them spin in SQLite's busy handler (which sleeps in growing steps); PostgreSQL needs none
+        self._write_lock = threading.Lock() if self.dialect == "sqlite" else None
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[Connection]:
+        """A write transaction (serialised within the process on SQLite)."""
+        if self._write_lock is None:
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self._write_lock, self.engine.begin() as conn:
+            yield conn
 
     # ---- dialect helpers -------------------------------------------------------------------------
     def _insert(self, table: Table) -> Any:
@@ -126,7 +142,7 @@ class Store:
         values["created_at"] = now
         if values["started_at"] is None:
             values["started_at"] = now
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             stmt = self._insert(t.runs).values(**values).on_conflict_do_nothing(index_elements=["run_key"])
             created = conn.execute(stmt.returning(t.runs.c.id)).first() is not None
             row = conn.execute(select(t.runs).where(t.runs.c.run_key == values["run_key"])).mappings().one()
@@ -145,7 +161,7 @@ class Store:
         return dict(row)
 
     def set_mode_override(self, run_id: int, mode: str | None) -> dict[str, Any]:
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             res = conn.execute(update(t.runs).where(t.runs.c.id == run_id).values(mode_override=mode))
             if res.rowcount == 0:
                 raise UnknownRun(run_id)
@@ -159,7 +175,7 @@ class Store:
         # concurrent requests overlap their CPU work with another's writes
         d = compute_deltas(run_id, b, self.policy, self.time_bucket_s)
         rows = self._sample_rows(run_id, b, d.exceeded) if self.store_samples else []
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             run = conn.execute(
                 select(t.runs.c.num_layers, t.runs.c.tp_size, t.runs.c.policy_hash, t.runs.c.mode_override)
                 .where(t.runs.c.id == run_id)
@@ -292,7 +308,7 @@ class Store:
     # ---- retention -------------------------------------------------------------------------------
     def prune_samples(self, older_than: float) -> int:
         """Delete raw samples with ts before ``older_than`` (rollups are kept)."""
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             res = conn.execute(t.samples.delete().where(t.samples.c.ts < older_than))
             conn.execute(t.batches.delete().where(t.batches.c.received_at < older_than))
         return int(res.rowcount or 0)

@@ -22,7 +22,10 @@ Per call, on the current stream::
 Eagerly, Python decides (``host_decides``): an unsampled validate call runs the baseline alone and
 an unchecked on-mode call the candidate alone. Under capture the kernels decide on every replay,
 so sampling, spot checks, the kill switch and the fallback all work without Python; the price is
-that a captured graph always runs both baseline and candidate (a graph cannot skip a node).
+that a captured graph always runs both baseline and candidate (a graph cannot skip a node). Since
+both ran, every on-mode call under a graph is checked (hard limits, candidate-only non-finite)
+before the select kernel chooses its output; a record is published on spot-check steps and for
+every hard failure.
 :meth:`DeviceState.poll` (called by the streamer's thread) drains the ring into samples.
 
 Limits of the CUDA path today: no oracle sampling and no repro bundles (both need the outputs on the
@@ -115,7 +118,8 @@ def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = No
     dev = base.device
     nprog = _nprog_max(dev)
     sstate = torch.zeros(16, dtype=torch.int64, device=dev)
-    sstate[0] = 1
+    sstate[0] = 1  # do_stats
+    sstate[12] = 1  # publish (into the one-record ring here)
     rec = torch.zeros(1, REC, dtype=torch.float64, device=dev)
     launch_stats(cand, base, torch.zeros(nprog, NPART, dtype=torch.float64, device=dev), rec,
                  torch.zeros(1, dtype=torch.int64, device=dev), sstate,

@@ -138,6 +138,10 @@ class ShadowSite:
         if code == 2 and not blocked and rt.config.covered(b.draft_tokens, b.prefix_len):
             if not rt.spot_checked(step):
                 out, err = self._isolated("candidate", self.candidate, *args, **kwargs)
+                if err is None and (not isinstance(out, torch.Tensor) or not bool(torch.isfinite(out).all())):
+                    # between spot checks the baseline is not run, but a non-finite (or non-tensor)
+                    # output is recognisable on its own: never serve it (CPU path, no device sync)
+                    err = "nonfinite" if isinstance(out, torch.Tensor) else "type"
                 if err is None:
                     return out
                 rt.fall_back(f"candidate {err}")

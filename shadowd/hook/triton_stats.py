@@ -169,7 +169,8 @@ def _partial_kernel(c_ptr, b_ptr, part_ptr, n_static, valid_ptr, row_numel, flag
 def _final_kernel(part_ptr, nprog, rec_ptr, seq_ptr, ring_size, rec_size, sstate_ptr, dstate_ptr,
                   hard_scaled, hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, FENCE: tl.constexpr,
                   NMETA: tl.constexpr):
-    # sstate: [do_stats, use_cand, seq, mode, step, call, t0, t1, t2]; dstate: [step, call, seq, fallback]
+    # sstate: [do_stats, use_cand, -, mode, step, call, t0, t1, t2, batch, draft, prefix, publish]
+    # dstate: [step, call, seq, fallback]
     go = tl.load(sstate_ptr) != 0
     if go:
         # partials in chunks of 32 rows: vector sums / maxima over all 64 columns at once
@@ -195,11 +196,6 @@ def _final_kernel(part_ptr, nprog, rec_ptr, seq_ptr, ring_size, rec_size, sstate
         pos = tl.where(top >= 0, pos, -1.0)
         red = tl.where(col == R_MAX_POS, pos, red)
         red = tl.where(col == R_MAX_ABS, tl.maximum(top, 0.0), red)
-        seq = tl.load(sstate_ptr + 2)
-        slot = seq % ring_size
-        rec = rec_ptr + slot * rec_size
-        raw = rec + NMETA
-        tl.store(raw + col, red, mask=col < NRAW)
         sd2 = tl.sum(tl.where(col == R_SUM_D2, red, 0.0), axis=0)
         sb2 = tl.sum(tl.where(col == R_SUM_B2, red, 0.0), axis=0)
         cnf = tl.sum(tl.where(col == R_CAND_NF, red, 0.0), axis=0)
@@ -209,30 +205,41 @@ def _final_kernel(part_ptr, nprog, rec_ptr, seq_ptr, ring_size, rec_size, sstate
         fb_old = tl.load(dstate_ptr + 3)
         if use_cand & hard:
             tl.store(dstate_ptr + 3, 1)
-        flags = use_cand.to(tl.int64) + 2 * hard.to(tl.int64) + 4 * ((fb_old != 0) | (use_cand & hard)).to(tl.int64)
-        tl.store(rec + 1, tl.load(sstate_ptr + 5).to(tl.float64))  # call
-        tl.store(rec + 2, tl.load(sstate_ptr + 4).to(tl.float64))  # step
-        tl.store(rec + 3, tl.load(sstate_ptr + 3).to(tl.float64))  # mode
-        tl.store(rec + 4, flags.to(tl.float64))
-        t0 = tl.load(sstate_ptr + 6)
-        t1 = tl.load(sstate_ptr + 7)
-        t2 = tl.load(sstate_ptr + 8)
-        tl.store(rec + 5, (t1 - t0).to(tl.float64))  # baseline ns
-        tl.store(rec + 6, (t2 - t1).to(tl.float64))  # candidate ns
-        for j in tl.static_range(3):  # batch size, draft tokens, prefix length (set by the control kernel)
-            tl.store(rec + 7 + j, tl.load(sstate_ptr + 9 + j).to(tl.float64))
-        tl.store(rec + 10, site_id.to(tl.float64))
-        tl.store(rec, seq.to(tl.float64))
-        if PUBLISH:
-            # every record store above happens-before the sequence number: CTA barrier, then a
-            # system-scope fence whose output the store depends on (no host atomics needed)
-            tl.debug_barrier()
-            if FENCE:
-                pub = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [seq + 1],
-                                                dtype=tl.int64, is_pure=False, pack=1)
-                tl.store(seq_ptr + slot, pub)
-            else:  # the CPU interpreter (tests) has no inline assembly
-                tl.store(seq_ptr + slot, seq + 1)
+        # a record is published on sampled / spot-checked calls, and always for a hard failure that
+        # the on-mode check caught; the ring position is taken here, in stream order
+        pub = (tl.load(sstate_ptr + 12) != 0) | (use_cand & hard)
+        if pub:
+            seq = tl.load(dstate_ptr + 2)
+            tl.store(dstate_ptr + 2, seq + 1)
+            slot = seq % ring_size
+            rec = rec_ptr + slot * rec_size
+            raw = rec + NMETA
+            tl.store(raw + col, red, mask=col < NRAW)
+            flags = (use_cand.to(tl.int64) + 2 * hard.to(tl.int64)
+                     + 4 * ((fb_old != 0) | (use_cand & hard)).to(tl.int64))
+            tl.store(rec + 1, tl.load(sstate_ptr + 5).to(tl.float64))  # call
+            tl.store(rec + 2, tl.load(sstate_ptr + 4).to(tl.float64))  # step
+            tl.store(rec + 3, tl.load(sstate_ptr + 3).to(tl.float64))  # mode
+            tl.store(rec + 4, flags.to(tl.float64))
+            t0 = tl.load(sstate_ptr + 6)
+            t1 = tl.load(sstate_ptr + 7)
+            t2 = tl.load(sstate_ptr + 8)
+            tl.store(rec + 5, (t1 - t0).to(tl.float64))  # baseline ns
+            tl.store(rec + 6, (t2 - t1).to(tl.float64))  # candidate ns
+            for j in tl.static_range(3):  # batch size, draft tokens, prefix length (set by the control kernel)
+                tl.store(rec + 7 + j, tl.load(sstate_ptr + 9 + j).to(tl.float64))
+            tl.store(rec + 10, site_id.to(tl.float64))
+            tl.store(rec, seq.to(tl.float64))
+            if PUBLISH:
+                # every record store above happens-before the sequence number: CTA barrier, then a
+                # system-scope fence whose output the store depends on (no host atomics needed)
+                tl.debug_barrier()
+                if FENCE:
+                    pub_seq = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [seq + 1],
+                                                        dtype=tl.int64, is_pure=False, pack=1)
+                    tl.store(seq_ptr + slot, pub_seq)
+                else:  # the CPU interpreter (tests) has no inline assembly
+                    tl.store(seq_ptr + slot, seq + 1)
 
 
 @triton.jit(do_not_specialize=["first_layer", "max_t", "max_l", "host_decides", "host_do_stats",
@@ -268,15 +275,17 @@ def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, ma
     use_cand = (mode == 2) & ok & covered
     sampled = (step % sample_n) == 0
     spot = (step % spot_n) == 0
-    do_stats = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
+    publish = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
+    # under a graph both implementations run on every replay anyway, so every on-mode call is checked
+    # before its output is chosen: a candidate failing between spot checks never reaches the caller
+    do_stats = publish | use_cand
     if host_decides != 0:
         do_stats = host_do_stats != 0
+        publish = do_stats
         use_cand = host_use_cand != 0
-    seq = tl.load(dstate_ptr + 2)
-    tl.store(dstate_ptr + 2, seq + do_stats.to(tl.int64))
     tl.store(sstate_ptr, do_stats.to(tl.int64))
     tl.store(sstate_ptr + 1, use_cand.to(tl.int64))
-    tl.store(sstate_ptr + 2, seq)
+    tl.store(sstate_ptr + 12, publish.to(tl.int64))
     tl.store(sstate_ptr + 3, mode)
     tl.store(sstate_ptr + 4, step)
     tl.store(sstate_ptr + 5, call)

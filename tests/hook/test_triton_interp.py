@@ -96,6 +96,22 @@ for i in range(6):
     ds2.poll()
 out["on_outputs"] = res
 out["fallback"] = rt2.fallback
+# under a graph every on-mode call is checked: a candidate going bad between spot checks (call 3)
+# is caught on that very call, reported, and never served
+scale.fill_(1.0)
+rt3 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
+ds3 = rt3.device(); ds3.use_timer = False
+s3 = ShadowSite("t3", base, cand, runtime=rt3)
+res3 = []
+for i in range(6):
+    if i == 2:
+        scale.fill_(3.0)
+    o = s3(x, w, layer=0, bucket=bk)
+    res3.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
+    recs3 = ds3.poll()
+    if recs3:
+        out.setdefault("between_spot_records", []).extend([r["step"] for r in recs3])
+out["between_spot_outputs"] = res3
 print("RESULT " + json.dumps(out))
 '''
 
@@ -116,3 +132,5 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert r["kill_switch_records"] == 0, "the pinned kill-switch word stops the statistics"
     # calls 1..6 = steps 1..6, spot checks at 2, 4, 6; the candidate turns bad at call 4 (a spot check)
     assert r["on_outputs"] == ["cand", "cand", "cand", "base", "base", "base"] and r["fallback"]
+    assert r["between_spot_outputs"] == ["cand", "cand", "base", "base", "base", "base"], r
+    assert r["between_spot_records"] == [2, 3], "the spot check (step 2) and the hard failure (step 3) are reported"
