@@ -1,0 +1,73 @@
+"""Per-process setup against a live collector: two TP ranks of one launch register one run and
+stream as two producers; the run carries the model's layers, TP size, sglang version, both
+fingerprints and SGLang's accept length per mode."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shadowd.client import CollectorClient
+from shadowd.hook.site import Bucket, ShadowSite
+from tests.hook.conftest import Collector, base_fn, cand_fn, inputs
+
+
+@pytest.fixture
+def collector(tmp_path: Path) -> Any:
+    c = Collector(tmp_path)
+    c.start()
+    yield c
+    c.stop()
+
+
+def _runner(rank: int) -> Any:
+    return SimpleNamespace(model_config=SimpleNamespace(num_hidden_layers=3, model_path="moonshotai/Kimi-K2.6"),
+                           tp_rank=rank, tp_size=2, device="cpu", is_draft_worker=False)
+
+
+def test_two_ranks_register_one_run_and_stream(sgl: Any, collector: Collector, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang
+
+    from shadowd.sglang import process
+    from shadowd.sglang.spec import SpecCounters
+
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    env = {"SHADOWD_MODE": "validate", "SHADOWD_URL": collector.url, "SHADOWD_RUN_KEY": "launch-1",
+           "SHADOWD_SPOOL_DIR": str(tmp_path / "spool"), "SHADOWD_FLUSH_INTERVAL_S": "0.1"}
+    runtimes = []
+    for rank in (0, 1):
+        spec = SpecCounters()
+        setup = process.ProcessSetup(sglang.__version__, spec, env=env)
+        rt = setup.setup(_runner(rank))
+        assert setup.setup(_runner(rank)) is rt, "once per process"
+        spec.counts.update(spec_accept_tokens_validate=60, spec_req_steps_validate=20, spec_passes_validate=5)
+        runtimes.append(rt)
+    deadline = time.monotonic() + 30
+    while any(rt.run_id is None for rt in runtimes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert runtimes[0].run_id is not None and runtimes[0].run_id == runtimes[1].run_id, "one run per launch"
+    x, w = inputs()
+    for rt in runtimes:
+        site = ShadowSite("sglang.mla_tree_verify", base_fn, cand_fn, runtime=rt)
+        for layer in range(3):
+            out = site(x, w, layer=layer, bucket=Bucket(batch_size=2, draft_tokens=8, prefix_len=4096, heads=8))
+            assert out.equal(base_fn(x, w))
+        assert rt.streamer is not None and rt.streamer.flush(20.0)
+    client = CollectorClient(collector.url)
+    run = client.get_run(runtimes[0].run_id)
+    assert run["num_layers"] == 3 and run["tp_size"] == 2 and run["sglang_version"] == sglang.__version__
+    assert run["model"].endswith("Kimi-K2.6") and run["run_key"] == "launch-1"
+    assert run["candidate"]["name"] == "mla_tree_verify" and run["candidate"]["fingerprint"]
+    assert run["baseline"]["fingerprint"] and run["samples"] == 6
+    assert run["speculative"]["validate"]["accept_length"] == 3.0
+    import httpx
+
+    producers = {p["rank"] for p in httpx.get(f"{collector.url}/v1/runs/{run['id']}/producers").json()}
+    assert producers == {0, 1}, "each rank is its own producer"
+    for rt in runtimes:
+        rt.streamer.close(2.0)
