@@ -42,6 +42,7 @@ def test_run_without_evaluation(client: TestClient) -> None:
     assert client.post(f"/v1/runs/{run_id}/samples", json=make_batch(400, ts0=1.8e9)).status_code == 200
     page = client.get(f"/?run_id={run_id}").text
     assert "no evaluation yet" in page
+    assert "accept length by mode</dt><dd>not reported" in page
     assert 'id="heatmap"' in page and 'id="exceedance"' in page
     assert page.count("<rect") >= 4  # one cell per layer at least
     _assert_self_contained(page)
@@ -59,6 +60,7 @@ def test_latest_evaluation_with_reasons_and_criteria(client: TestClient) -> None
         assert reason in page
     assert page.count(">FAIL<") == 2 and page.count(">pass<") == 2
     assert "non-finite or error" in page  # the heatmap marks the layer with a non-finite mismatch
+    assert re.search(r"accept length by mode</dt><dd>validate \d", page), "SGLang's accept length, per mode"
     _assert_self_contained(page)
 
 

@@ -345,7 +345,9 @@ def _verdict_section(data: StatusData) -> str:
     return "".join(parts)
 
 
-def _run_section(run: dict[str, Any]) -> str:
+def _run_section(run: dict[str, Any], producers: list[dict[str, Any]] | None = None) -> str:
+    spec = queries.speculative_of(producers or [])
+    accept = " · ".join(f"{m} {v['accept_length']:.2f}" for m, v in spec.items()) or "not reported"
     items = [
         ("run", f"{run['id']} · {run['run_key']}"),
         ("model", run["model"]),
@@ -360,6 +362,7 @@ def _run_section(run: dict[str, Any]) -> str:
         ("started", _utc(run["started_at"])),
         ("last ingest", _utc(run["last_ingest_at"]) if run["last_ingest_at"] else "never"),
         ("kill switch", run["mode_override"] or "none"),
+        ("accept length by mode", accept),
     ]
     body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(str(v))}</dd>" for k, v in items)
     return f'<section id="run"><h2>Run</h2><dl class="info">{body}</dl></section>'
@@ -481,7 +484,7 @@ def render_status(data: StatusData) -> str:
     body = "".join(
         [
             _verdict_section(data),
-            _run_section(run),
+            _run_section(run, data.producers),
             '<section id="heatmap-section"><h2>Per-layer heatmap: largest per-call rel-L2 vs tolerance</h2>'
             f"{window}"
             f'<div class="plot">{heatmap_svg(data.slots, int(run["num_layers"]), data.tolerance)}</div>'
