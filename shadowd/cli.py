@@ -78,8 +78,10 @@ def readiness(
     wait: Annotated[float, typer.Option(help="poll until READY or this many seconds pass")] = 0.0,
     token: Annotated[str | None, typer.Option(help="bearer token", envvar="SHADOWD_TOKEN")] = None,
 ) -> None:
-    """Print the verdict and its reasons. Exit 0 READY, 1 NOT_READY, 2 INSUFFICIENT_DATA, 3 unreachable,
-    4 request refused (unknown run, bad token) — a pipeline gate."""
+    """Print the verdict and its reasons; a pipeline gate.
+
+    Exit 0 READY, 1 NOT_READY, 2 INSUFFICIENT_DATA, 3 collector unreachable, 4 request refused
+    (unknown run, bad token)."""
     from shadowd.readiness_cli import readiness_command
 
     raise typer.Exit(readiness_command(url, run, wait, token))
@@ -90,8 +92,10 @@ def selftest(
     quick: Annotated[bool, typer.Option("--quick", help="three cases instead of the full sweep")] = False,
     seed: Annotated[int, typer.Option(help="seed of the random part of the sweep")] = 7,
 ) -> None:
-    """Build the candidate kernel on this GPU and check it against the fp64 oracle (and SGLang's Triton
-    kernel when installed) over a shape sweep, with timings. Exit 0 only when every case passes."""
+    """Check the candidate kernel on this GPU against the fp64 oracle over a shape sweep.
+
+    Builds the kernel, compares it with the oracle (and SGLang's Triton kernel when installed), times
+    both, and exits 0 only when every case passes."""
     from shadowd.selftest import selftest_main
 
     raise typer.Exit(selftest_main(quick=quick, seed=seed, echo=typer.echo))
@@ -106,8 +110,10 @@ def demo(
     port: Annotated[int | None, typer.Option(help="collector port (default: a free one)")] = None,
     keep_serving: Annotated[bool, typer.Option("--keep-serving", help="leave the collector running")] = False,
 ) -> None:
-    """Start a collector on SQLite, run a simulated MLA tree-verify workload through the real hook and
-    streamer on the CPU, and print the readiness verdict (judged with the shipped demo policy)."""
+    """Run the whole loop on the CPU: collector, hook, streamer, verdict.
+
+    Starts a collector on SQLite, runs a simulated MLA tree-verify workload through the real hook and
+    streamer, and prints the readiness verdict (judged with the shipped demo policy)."""
     from shadowd.demo import FAULTS, run_demo
 
     if fault not in FAULTS:
