@@ -108,22 +108,13 @@ def make_case(tb: Any, *, bs: int, prefix: int, draft: int, heads: int, layers: 
     kv_indices = perm[: bs * prefix].to(torch.int64)
     out_cache_loc = perm[bs * prefix: bs * prefix + bs * draft].to(torch.int64)
     kv_indptr = torch.arange(0, (bs + 1) * prefix, prefix, dtype=torch.int64, device=dev)
-    masks, indptr = [], [0]
-    for _ in range(bs):
-        parent = [-1] + [int(torch.randint(0, j, (1,))) for j in range(1, draft)]
-        m = torch.zeros(draft, prefix + draft, dtype=torch.bool)
-        m[:, :prefix] = True
-        for i in range(draft):
-            j = i
-            while j >= 0:
-                m[i, prefix + j] = True
-                j = parent[j]
-        masks.append(m.flatten())
-        indptr.append(indptr[-1] + m.numel())
+    from tests.sglang.builders import tree_mask
+
+    mask, mask_indptr = tree_mask([prefix] * bs, draft, torch.Generator().manual_seed(seed))
     md = tb.ForwardMetadata(
         attn_logits=None, attn_lse=None, max_extend_len=draft, num_kv_splits=None, kv_indptr=kv_indptr,
         kv_indices=kv_indices, qo_indptr=torch.arange(0, (bs + 1) * draft, draft, dtype=torch.int64, device=dev),
-        custom_mask=torch.cat(masks).to(dev), mask_indptr=torch.tensor(indptr, dtype=torch.int64, device=dev),
+        custom_mask=mask.to(dev), mask_indptr=mask_indptr.to(dev),
         window_kv_indptr=None, window_kv_indices=None, window_num_kv_splits=None, window_kv_offsets=None)
     be = tb.TritonAttnBackend.__new__(tb.TritonAttnBackend)
     for name, value in dict(use_dense_fp8_chunked_prefill=False, use_mla=True, token_to_kv_pool=pool,

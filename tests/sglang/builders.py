@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VerifyCase", "make_case", "run_layers"]
+__all__ = ["VerifyCase", "make_case", "run_layers", "tree_mask"]
 
 D_QK, D_V = 576, 512
 
@@ -32,7 +32,8 @@ class VerifyCase:
     heads: int
 
 
-def _tree_mask(prefix: list[int], t: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_mask(prefix: list[int], t: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang FULL_MASK of random trees (one per request) and its mask_indptr, on the CPU."""
     masks, indptr = [], [0]
     for lb in prefix:
         parent = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, t)]
@@ -65,7 +66,7 @@ def make_case(tb: Any, *, layers: int = 3, heads: int = 2, prefix: tuple[int, ..
     used = torch.randperm(slots - bs * draft, generator=g)[: sum(prefix)] + 1  # scattered prefix slots
     free = sorted(set(range(1, slots + 1)) - set(used.tolist()))
     kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int64)
-    mask, mask_indptr = _tree_mask(list(prefix), draft, g)
+    mask, mask_indptr = tree_mask(list(prefix), draft, g)
     md = tb.ForwardMetadata(
         attn_logits=None, attn_lse=None, max_extend_len=draft, num_kv_splits=None, kv_indptr=kv_indptr,
         kv_indices=used.to(torch.int64), qo_indptr=torch.arange(0, (bs + 1) * draft, draft, dtype=torch.int64),
