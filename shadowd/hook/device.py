@@ -11,21 +11,26 @@ Per call, on the current stream::
     stamp kernel     t1
     candidate(...)   on protected inputs (clones of small tensors)
     stamp kernel     t2
-    partial kernel   fused statistics over the real rows only (count read from device memory);
-                     does nothing when do_stats is 0
-    final kernel     fp64 reduction → ring slot in pinned host memory (record + metadata),
-                     on-mode hard check → sticky device fallback flag, then the slot's
-                     sequence number, last, behind a system-scope release
+    stats kernel     fused statistics over the real rows only (count read from device memory;
+                     nothing when do_stats is 0): every program folds its partials into the
+                     site's accumulator row with atomics, and the program drawing the last
+                     ticket writes the ring slot in pinned host memory (record + metadata),
+                     runs the on-mode hard check (sticky device fallback flag), publishes the
+                     slot's sequence number last behind a system-scope release, and resets
+                     the accumulator for the next call
     select kernel    (on mode only) the call's output: candidate, or baseline when use_cand is
                      0 or the fallback flag is set (so a failing spot check returns the baseline)
 
 Eagerly, Python decides (``host_decides``): an unsampled validate call runs the baseline alone and
 an unchecked on-mode call the candidate alone. Under capture the kernels decide on every replay,
-so sampling, spot checks, the kill switch and the fallback all work without Python; the price is
-that a captured graph always runs both baseline and candidate (a graph cannot skip a node). Since
-both ran, every on-mode call under a graph is checked (hard limits, candidate-only non-finite)
-before the select kernel chooses its output; a record is published on spot-check steps and for
-every hard failure.
+so sampling, spot checks, the kill switch and the fallback all work without Python. A graph cannot
+skip a node, so a captured on-mode call runs the baseline too — unless the call site has a
+``baseline_gate`` (the SGLang verify site does): then a gate kernel hands the baseline zero work sizes
+(``gated_copy``) on replays that are neither spot checks nor fallbacks, and the graph runs at the
+candidate's speed; spot-check replays run both and are checked before the select kernel chooses.
+Without a gate both run on every replay, so every on-mode call is checked (hard limits,
+candidate-only non-finite) before its output is chosen. A record is published on spot-check steps
+and for every hard failure.
 :meth:`DeviceState.poll` (called by the streamer's thread) drains the ring into samples.
 
 Limits of the CUDA path today: no oracle sampling and no repro bundles (both need the outputs on the
@@ -45,22 +50,33 @@ import torch
 import triton
 
 from shadowd.hook.diffstats import NRAW, empty_stats, finalize
-from shadowd.hook.triton_stats import NPART, control_kernel, final_kernel, partial_kernel, select_kernel, stamp_kernel
+from shadowd.hook.triton_stats import (
+    ACC,
+    ACC_WORDS,
+    control_kernel,
+    gate_kernel,
+    select_kernel,
+    stamp_kernel,
+    stats_kernel,
+)
 
 if TYPE_CHECKING:
     from shadowd.hook.runtime import HookRuntime
     from shadowd.hook.site import Bucket, ShadowSite
 
-__all__ = ["NMETA", "REC", "DeviceState", "device_call", "fused_raw_stats"]
+__all__ = ["NMETA", "REC", "TILE", "DeviceState", "device_call", "fused_raw_stats", "gated_copy", "launch_stats",
+           "new_accumulator"]
 
 NMETA = 12  # record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, spare
 REC = NMETA + NRAW
 BLOCK = 1024  # elements per program of the select kernel
-#: statistics kernel: elements per tile, warps, programs per SM — the best of the variants measured on
-#: the H200 (bench/results/hook-2026-11-29.md); fewer programs also mean fewer partial rows for the
-#: single-program final reduction, which dominates today
-TILE = (512, 4, 8)
-MIN_TILES_PER_PROGRAM = 8
+#: statistics kernel: elements per tile, warps, programs per SM (bench/diffstats.py measures variants)
+TILE = (8192, 16, 1)
+#: outputs up to SMALL_NUMEL elements use SMALL_TILE: one short tile per program keeps the latency of a
+#: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
+SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
+#: histogram: 1 tl.histogram, 2 warp ballots (inline PTX; measured faster, bench/results/hook-2026-11-29.md)
+HIST_MODE = 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MODE_NAME = {1: "validate", 2: "on"}
 
@@ -74,28 +90,32 @@ def _sms(device: torch.device) -> int:
     return _SMS[device]
 
 
-def _nprog_max(device: torch.device) -> int:
-    """Rows of the partials buffer: the most programs any tile configuration launches."""
-    return 32 * _sms(device)
+def new_accumulator(device: torch.device) -> torch.Tensor:
+    """A zeroed accumulator row for :func:`launch_stats` (one per call site; reset by the kernel)."""
+    return torch.zeros(ACC_WORDS, dtype=torch.int64, device=device)
 
 
 class _Slot:
-    """Per (site, layer) device scratch: decisions of the current call and statistics partials."""
+    """Per (site, layer) device scratch: decisions of the current call and the statistics accumulator."""
 
-    def __init__(self, site_id: int, device: torch.device, nprog: int) -> None:
+    def __init__(self, site_id: int, device: torch.device) -> None:
         self.site_id = site_id
         self.sstate = torch.zeros(16, dtype=torch.int64, device=device)
-        self.part = torch.zeros(nprog, NPART, dtype=torch.float64, device=device)
+        self.acc = new_accumulator(device)
         self.heads = 1
 
 
-def launch_stats(cand: torch.Tensor, base: torch.Tensor, part: torch.Tensor, rec: torch.Tensor,
+def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec: torch.Tensor,
                  seq: torch.Tensor, sstate: torch.Tensor, dstate: torch.Tensor, *, valid_rows: Any = None,
                  hard_scaled: float = 0.25, hard_rel_l2: float = 0.1, site_id: int = 0,
-                 publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True) -> None:
-    """Launch the two statistics kernels (no sync, no allocation when inputs are contiguous).
+                 publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True,
+                 hist_mode: int | None = None) -> Any:
+    """Launch the statistics kernel (one launch; no sync, no allocation when inputs are contiguous).
 
-    ``tile`` (rows, vec, warps) and ``hist`` are benchmark knobs; the hook uses the defaults."""
+    Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
+    (:func:`new_accumulator`); calls sharing one must be stream-ordered. Positions of max |d| are exact
+    below 2^32 elements. ``tile`` (elements per tile, warps, programs per SM), ``hist`` and ``hist_mode``
+    (1 tl.histogram, 2 warp ballots) are benchmark knobs; the hook uses the defaults."""
     c = cand.reshape(-1) if cand.is_contiguous() else cand.contiguous().reshape(-1)
     b = base.reshape(-1) if base.is_contiguous() else base.contiguous().reshape(-1)
     n = b.numel()
@@ -103,25 +123,37 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, part: torch.Tensor, rec
     has_valid = isinstance(valid_rows, torch.Tensor)
     if isinstance(valid_rows, int):
         n = min(n, valid_rows * row)
-    nprog_cap = part.shape[0]
-    block, warps, per_sm = tile or TILE
-    nprog = max(1, min(nprog_cap, per_sm * _sms(c.device), triton.cdiv(max(n, 1), block * MIN_TILES_PER_PROGRAM)))
-    partial_kernel[(nprog,)](c, b, part, n, valid_rows if has_valid else sstate, row, sstate,
-                             HAS_VALID=has_valid, HAS_FLAG=True, BLOCK=block, HIST=hist, num_warps=warps)
-    final_kernel[(1,)](part, nprog, rec, seq, rec.shape[0], rec.shape[1], sstate, dstate,
-                       hard_scaled, hard_rel_l2 * hard_rel_l2, site_id, PUBLISH=publish, FENCE=not _INTERPRET,
-                       NMETA=NMETA, num_warps=4)
+    block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else TILE)
+    # histogram by warp ballots (inline PTX) on the GPU; tl.histogram in the interpreter
+    mode = (hist_mode or (1 if _INTERPRET else HIST_MODE)) if hist else 0
+    vec = max(1, min(8, 16 // b.element_size()))  # one 16-byte vector per row of a tile
+    nprog = max(1, min(per_sm * _sms(c.device), triton.cdiv(max(n, 1), block)))
+    return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
+                           sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
+                           hard_rel_l2 * hard_rel_l2, site_id, HAS_VALID=has_valid, BLOCK=block, VEC=vec, HIST=mode,
+                           PUBLISH=publish, FENCE=not _INTERPRET, NMETA=NMETA, num_warps=warps)
+
+
+def gated_copy(src: torch.Tensor, run_flag: torch.Tensor) -> torch.Tensor:
+    """A copy of the small int tensor ``src`` that holds zeros on calls whose baseline is gated off.
+
+    ``run_flag`` is the call's decision word (``_Slot.sstate[13:]``); one tiny launch, no sync, graph-safe
+    (under capture the copy comes from the graph's pool and the kernel re-decides on every replay)."""
+    src = src.contiguous()
+    dst = torch.empty_like(src)
+    n = src.numel()
+    gate_kernel[(1,)](src, dst, n, run_flag, BLOCK=max(16, triton.next_power_of_2(max(n, 1))), num_warps=1)
+    return dst
 
 
 def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = None) -> torch.Tensor:
     """The raw statistics vector (device float64[NRAW]) of the fused kernels; for tests and benches."""
     dev = base.device
-    nprog = _nprog_max(dev)
     sstate = torch.zeros(16, dtype=torch.int64, device=dev)
     sstate[0] = 1  # do_stats
     sstate[12] = 1  # publish (into the one-record ring here)
     rec = torch.zeros(1, REC, dtype=torch.float64, device=dev)
-    launch_stats(cand, base, torch.zeros(nprog, NPART, dtype=torch.float64, device=dev), rec,
+    launch_stats(cand, base, new_accumulator(dev), rec,
                  torch.zeros(1, dtype=torch.int64, device=dev), sstate,
                  torch.zeros(8, dtype=torch.int64, device=dev), valid_rows=valid_rows, publish=False)
     return rec[0, NMETA:]
@@ -133,7 +165,6 @@ class DeviceState:
     def __init__(self, rt: HookRuntime) -> None:
         self.rt = rt
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.nprog = _nprog_max(self.device)
         self.hctrl = torch.zeros(8, dtype=torch.int64).pin_memory()
         self.dstate = torch.zeros(8, dtype=torch.int64, device=self.device)
         size = rt.config.ring_size
@@ -161,7 +192,7 @@ class DeviceState:
         key = (id(site), layer)
         s = self.slots.get(key)
         if s is None:
-            s = _Slot(len(self.sites), self.device, self.nprog)
+            s = _Slot(len(self.sites), self.device)
             self.sites.append((site, layer))
             self.slots[key] = s
         return s
@@ -233,14 +264,21 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
         host_decides = 0
     slot = ds.slot(site, layer)
     slot.heads = max(1, b.heads)
+    # on mode captured with a baseline gate: the baseline works only on spot-check / fallback replays
+    gated = capturing and code == 2 and site.baseline_gate is not None
     meta = b.meta
     cfg = rt.config
     control_kernel[(1,)](ds.hctrl, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
                          int(layer == site.first_layer), min(cfg.max_draft_tokens, 2**62),
                          min(cfg.max_prefix_len, 2**62), host_decides, do_stats, use_cand, rt.step,
                          b.batch_size, b.draft_tokens, b.prefix_len,
-                         HAS_META=meta is not None, USE_TIMER=ds.use_timer)
-    out_b = site.baseline(*args, **kwargs)
+                         HAS_META=meta is not None, USE_TIMER=ds.use_timer, GATED=int(gated))
+    if gated:
+        assert site.baseline_gate is not None
+        with site.baseline_gate(slot.sstate, args, kwargs):
+            out_b = site.baseline(*args, **kwargs)
+    else:
+        out_b = site.baseline(*args, **kwargs)
     stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer)
     cargs, ckwargs, watched = site._protect(args, kwargs)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
@@ -260,7 +298,7 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
         if code == 2 and not capturing:
             rt.fall_back(f"spot check: {err}")
         return out_b
-    launch_stats(out_c, out_b, slot.part, ds.ring, ds.ring_seq, slot.sstate, ds.dstate, valid_rows=b.valid_rows,
+    launch_stats(out_c, out_b, slot.acc, ds.ring, ds.ring_seq, slot.sstate, ds.dstate, valid_rows=b.valid_rows,
                  hard_scaled=cfg.hard_scaled_max_abs, hard_rel_l2=cfg.hard_rel_l2, site_id=slot.site_id)
     if code != 2:
         return out_b

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +95,15 @@ class ShadowSite:
     def __init__(self, name: str, baseline: Callable[..., Any], candidate: Callable[..., Any], *,
                  oracle: Callable[..., Any] | None = None, runtime: HookRuntime | None = None,
                  first_layer: int = 0, clone_max_bytes: int = 64 * 2**20,
-                 refs: dict[str, str] | None = None) -> None:
+                 refs: dict[str, str] | None = None,
+                 baseline_gate: Callable[..., AbstractContextManager[Any]] | None = None) -> None:
         self.name = name
         self.baseline = baseline
+        #: on mode under a CUDA graph: ``baseline_gate(run_flag, args, kwargs)`` is a context manager in
+        #: which the baseline reads its work size through device memory that ``run_flag`` (a device
+        #: int64 scalar the control kernel sets per replay) zeroes on replays that are not spot checks,
+        #: so a captured graph's baseline does almost nothing there (see shadowd.hook.device)
+        self.baseline_gate = baseline_gate
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()

@@ -1,21 +1,27 @@
 # mypy: allow-untyped-defs
 """The fused diff-statistics pass on GPU (Triton), and the tiny control kernels of the graph path.
 
-Two launches per sampled call, no host synchronisation, no allocation:
+One launch per sampled call, no host synchronisation, no allocation (:func:`_stats_kernel`):
 
-1. :func:`_partial_kernel` — a fixed grid of programs, each striding over the outputs once
-   (both read once, in their own dtype, widened to fp32), keeping per-lane running maxima,
-   fp32 per-lane sums and a per-program log2 histogram; per-program partials (fp64) go to a
-   preallocated device buffer.
-2. :func:`_final_kernel` — one program reduces the partials in fp64 into the raw vector of
-   ``shadowd.hook.diffstats`` (same layout, same definitions as the torch path), writes it with
-   the call's metadata into a ring slot (pinned host memory or a device tensor), runs the
-   on-mode hard-failure check (setting the sticky device fallback flag), and publishes the
-   slot's sequence number last, behind a CTA barrier and a system-scope fence.
+1. every program makes a grid-stride pass over its tiles of both outputs (each read once, in its own
+   dtype, widened to fp32). A tile is [ROWS, VEC] with one 16-byte vector per row, so each thread owns
+   whole rows and the running sums and maxima are per row (few registers, vectorised loads, the next
+   tile loaded before the current one is reduced). The common case — every value finite — takes a
+   fast path without masks or non-finite bookkeeping; a NaN / Inf anywhere in the program's tiles makes
+   Σ|d| non-finite and the program redoes its tiles exactly (counts per side, candidate-only and
+   baseline-only positions). The log2 histogram is counted by warp ballots (inline PTX: each lane
+   counts the two bins it owns over the warp's 32 elements), or by ``tl.histogram`` in the interpreter.
+2. every program folds its partials into the call site's accumulator row with device-scope atomics
+   (fp64 sums, integer counts, maxima as bit patterns, max |d| and its first position as one int64
+   key) and then takes a ticket; the program drawing the last ticket turns the row into the raw vector
+   of ``shadowd.hook.diffstats`` (same layout, same definitions as the torch path), resets the row for
+   the next call, runs the on-mode hard-failure check (sticky device fallback flag), writes the record
+   into a ring slot (pinned host memory or a device tensor) and publishes the slot's sequence number
+   last, behind a CTA barrier and a system-scope fence.
 
-The number of real elements is read from device memory (``valid_ptr``: real token rows ×
-row size), so padded graph batches are excluded; the per-call decision (``flag_ptr``) is read
-from device memory too, so the same captured graph computes statistics only on sampled replays.
+The number of real elements is read from device memory (``valid_ptr``: real token rows × row size),
+so padded graph batches are excluded; the per-call decision (``sstate[0]``) is read from device
+memory too, so the same captured graph computes statistics only on sampled replays.
 """
 
 from __future__ import annotations
@@ -46,12 +52,23 @@ from shadowd.hook.diffstats import (
 )
 from shadowd.wire import HIST_BINS, HIST_EXP_MAX, HIST_EXP_MIN
 
-__all__ = ["NPART", "final_kernel", "partial_kernel", "select_kernel", "stamp_kernel"]
+__all__ = ["ACC", "ACC_WORDS", "control_kernel", "gate_kernel", "select_kernel", "stamp_kernel", "stats_kernel"]
 
-NPART = 64  # partial row width (NRAW padded); histogram bins 0..HIST_BINS-1 live at R_HIST..
-assert NRAW <= NPART and HIST_BINS < 64
+#: accumulator row (int64 words; the fp64 sums live in the 8 words after it, see ``ACC_WORDS``)
+ACC = 64
+A_KEY, A_REL, A_OUTS, A_NAN_B, A_INF_B, A_NAN_C, A_INF_C, A_CNF, A_BNF, A_TICKET = range(10)
+A_HIST = 16  # histogram bins 0..HIST_BINS-1
+F_ABS, F_D2, F_B2, F_C2 = range(4)  # fp64 sums
+#: words of one call site's accumulator buffer: ACC int64 words, then 8 fp64 words
+ACC_WORDS = ACC + 8
+POS_MASK = 2**32 - 1  # positions are kept in the key's low 32 bits (an output of < 2^32 elements)
+assert A_HIST + HIST_BINS <= ACC and NRAW <= 64 and HIST_BINS < 64
 
 # kernels may only read constexpr globals: rebind every constant they use
+(A_KEY, A_REL, A_OUTS, A_NAN_B, A_INF_B, A_NAN_C, A_INF_C, A_CNF, A_BNF, A_TICKET, A_HIST, F_ABS, F_D2, F_B2,
+ F_C2, POS_MASK) = (tl.constexpr(v) for v in (A_KEY, A_REL, A_OUTS, A_NAN_B, A_INF_B, A_NAN_C, A_INF_C, A_CNF,
+                                              A_BNF, A_TICKET, A_HIST, F_ABS, F_D2, F_B2, F_C2, POS_MASK))
+ACC_C = tl.constexpr(ACC)
 HB = tl.constexpr(64)  # histogram bins computed per tile (power of two); bin HB-1 collects masked lanes
 (R_MAX_ABS, R_MAX_POS, R_SUM_ABS, R_MAX_REL, R_SUM_D2, R_SUM_B2, R_SUM_C2, R_OUT_SCALE, R_NAN_B, R_INF_B,
  R_NAN_C, R_INF_C, R_CAND_NF, R_BASE_NF, R_NUMEL, R_N_CMP, R_HIST, NRAW, TINY, HIST_BINS, HIST_EXP_MIN,
@@ -61,49 +78,214 @@ HB = tl.constexpr(64)  # histogram bins computed per tile (power of two); bin HB
     HIST_EXP_MAX))
 
 
-@triton.jit(do_not_specialize=["n_static", "row_numel"])
-def _partial_kernel(c_ptr, b_ptr, part_ptr, n_static, valid_ptr, row_numel, flag_ptr,
-                    HAS_VALID: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr):
-    # Few registers per element (occupancy is what keeps loads in flight): the max position is kept as
-    # the iteration index, the six non-finite counters are packed in pairs (16-bit fields; a lane sees
-    # < 65536 tiles), the compared count is derived at the end, and the next tile is loaded before the
-    # current one is reduced (software prefetch).
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    n = n_static.to(tl.int64)
-    if HAS_VALID:
-        n = tl.minimum(tl.load(valid_ptr).to(tl.int64) * row_numel, n)
-    if HAS_FLAG:
-        n = tl.where(tl.load(flag_ptr) != 0, n, 0)
-    lane = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], -1.0, tl.float32)
-    best_it = tl.zeros([BLOCK], tl.int32)
-    s_abs = tl.zeros([BLOCK], tl.float32)
-    s_d2 = tl.zeros([BLOCK], tl.float32)
-    s_b2 = tl.zeros([BLOCK], tl.float32)
-    s_c2 = tl.zeros([BLOCK], tl.float32)
-    m_rel = tl.zeros([BLOCK], tl.float32)
-    m_b = tl.zeros([BLOCK], tl.float32)
-    nf_b = tl.zeros([BLOCK], tl.int32)  # NaN + 65536 * Inf in the baseline
-    nf_c = tl.zeros([BLOCK], tl.int32)  # same for the candidate
-    mis = tl.zeros([BLOCK], tl.int32)  # candidate-only + 65536 * baseline-only non-finite positions
-    hist = tl.zeros([HB], tl.int32)
-    start = pid.to(tl.int64) * BLOCK
-    step = nprog.to(tl.int64) * BLOCK
-    offs = start + lane
-    m_nx = offs < n
-    c_nx = tl.load(c_ptr + offs, mask=m_nx, other=0.0)
-    b_nx = tl.load(b_ptr + offs, mask=m_nx, other=0.0)
-    it = 0
-    while start < n:
+_ELEM = """
+and.b32 t, {x}, 1; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q0, p, 0xffffffff;
+and.b32 t, {x}, 2; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q1, p, 0xffffffff;
+and.b32 t, {x}, 4; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q2, p, 0xffffffff;
+and.b32 t, {x}, 8; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q3, p, 0xffffffff;
+and.b32 t, {x}, 16; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q4, p, 0xffffffff;
+and.b32 t, {x}, 32; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q5, p, 0xffffffff;
+xor.b32 q1, q1, m1; xor.b32 q2, q2, m2; xor.b32 q3, q3, m3; xor.b32 q4, q4, m4; xor.b32 q5, q5, m5;
+or.b32 t, q1, q2; or.b32 t, t, q3; or.b32 t, t, q4; or.b32 t, t, q5; not.b32 t, t;
+and.b32 u, t, q0; popc.b32 u, u; not.b32 q0, q0; and.b32 v, t, q0; popc.b32 v, v;
+shl.b32 u, u, 16; or.b32 {y}, v, u;
+"""
+#: Warp-level histogram of 6-bit bin indices, four elements per call: bit-plane ballots, then each lane
+#: counts the two bins it owns (2·lane and 2·lane + 1) over the warp's 32 elements; returned packed as
+#: count(2·lane) + 65536 · count(2·lane + 1). Every lane of the warp must execute it (uniform code).
+_BALLOT_HIST_ASM = (
+    "{\n.reg .pred p;\n.reg .b32 l, m1, m2, m3, m4, m5, q0, q1, q2, q3, q4, q5, t, u, v;\n"
+    "mov.u32 l, %laneid;\n"
+    "bfe.s32 m1, l, 0, 1; bfe.s32 m2, l, 1, 1; bfe.s32 m3, l, 2, 1; bfe.s32 m4, l, 3, 1; bfe.s32 m5, l, 4, 1;\n"
+    + "".join(_ELEM.format(x=f"${k + 4}", y=f"${k}") for k in range(4)) + "}"
+)
+BALLOT_HIST_ASM = tl.constexpr(_BALLOT_HIST_ASM)
+
+
+@triton.jit
+def _ballot_counts(bn):
+    # [ROWS, VEC] bins -> [ROWS, VEC] packed per-slot counts of the holding lane's two bins
+    return tl.inline_asm_elementwise(BALLOT_HIST_ASM, "=r,=r,=r,=r,r,r,r,r", [bn], dtype=tl.int32,
+                                     is_pure=False, pack=4)
+
+
+@triton.jit
+def _lane_of_rows(like):
+    # the warp lane that holds each row of a [ROWS, VEC] tile: a row is one 16-byte vector, which Triton
+    # keeps in one thread (the GPU tests check the histogram for bf16, fp16 and fp32 outputs)
+    lid = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.max(lid, axis=1)
+
+
+@triton.jit
+def _hist_add(bn, ha, hb, HIST: tl.constexpr):
+    # HIST 1: tl.histogram of the flattened tile into ha [HB]; HIST 2: warp ballots (bins owned by
+    # lanes), per-row running counts of the two owned bins in ha / hb [ROWS]
+    if HIST == 2:
+        row = tl.sum(_ballot_counts(bn), axis=1)  # per field <= VEC * 32: no carry into the high field
+        ha += row & 0xFFFF
+        hb += row >> 16
+    else:
+        ha += tl.histogram(tl.reshape(bn, [bn.numel]), HB)
+    return ha, hb
+
+
+@triton.jit
+def _hist_init(ROWS: tl.constexpr, HIST: tl.constexpr):
+    n: tl.constexpr = ROWS if HIST == 2 else HB
+    return tl.zeros([n], tl.int32), tl.zeros([n], tl.int32)
+
+
+@triton.jit
+def _hist_final(ha, hb, lane2d, HIST: tl.constexpr):
+    # the program's histogram [HB]
+    if HIST == 2:
+        rl = _lane_of_rows(lane2d)
+        lanes = tl.arange(0, 32)
+        sel = rl[:, None] == lanes[None, :]
+        lo = tl.sum(tl.where(sel, ha[:, None], 0), axis=0)
+        hi = tl.sum(tl.where(sel, hb[:, None], 0), axis=0)
+        out = tl.reshape(tl.join(lo, hi), [HB])  # bin 2·lane + j
+    else:
+        out = ha
+    return out
+
+
+@triton.jit
+def _fast_update(c, b, lane, rem, t, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb,
+                 TAIL: tl.constexpr, HIST: tl.constexpr):
+    # One [ROWS, VEC] tile, every value assumed finite: each thread owns whole rows of VEC contiguous
+    # elements, so the axis-1 reductions stay inside the thread and the running state is per row.
+    # ``lane`` indexes the tile; ``rem`` real elements remain from its start (the tail tile is partial).
+    d = tl.abs(c - b)
+    ab = tl.abs(b)
+    # zero-filled lanes past the real elements never win the maximum
+    dmax = tl.max(tl.where(lane < rem, d, -1.0), axis=1) if TAIL else tl.max(d, axis=1)
+    better = dmax > best
+    best = tl.where(better, dmax, best)
+    best_t = tl.where(better, t, best_t)
+    s_abs += tl.sum(d, axis=1)
+    s_d2 += tl.sum(d * d, axis=1)
+    s_b2 += tl.sum(b * b, axis=1)
+    s_c2 += tl.sum(c * c, axis=1)
+    m_rel = tl.maximum(m_rel, tl.max(d / tl.maximum(ab, TINY), axis=1))
+    m_b = tl.maximum(m_b, tl.max(ab, axis=1))
+    if HIST:
+        ha, hb = _hist_add(_bins(d, lane, rem, d == d, TAIL), ha, hb, HIST)
+    return best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb
+
+
+@triton.jit
+def _bins(d, lane, rem, cmp, TAIL: tl.constexpr):
+    # log2 bin of |d| >= 0 from its exponent bits: 0 for exact zero, then floor(log2) clipped;
+    # HIST_BINS - 1 for positions not compared, HB - 1 (dropped) past the real elements
+    bits = d.to(tl.int32, bitcast=True)
+    e = tl.minimum(tl.maximum(bits >> 23, HIST_EXP_MIN + 127), HIST_EXP_MAX + 127) - (HIST_EXP_MIN + 126)
+    bn = tl.where(bits == 0, 0, e)
+    bn = tl.where(cmp, bn, HIST_BINS - 1)
+    if TAIL:
+        bn = tl.where(lane < rem, bn, HB - 1)
+    return bn
+
+
+@triton.jit
+def _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, EXACT: tl.constexpr, BLOCK: tl.constexpr,
+               VEC: tl.constexpr):
+    # (max |d|, its first flat position) of this program: the rows holding the maximum re-read the
+    # one vector where they first reached it and take its first maximal element (exactly the same
+    # arithmetic as the pass, so the comparison is exact).
+    top = tl.max(best, axis=0)
+    hit = (best == top) & (best >= 0)
+    offs = best_t.to(tl.int64)[:, None] * BLOCK + rows[:, None] * VEC + cols[None, :]
+    m = hit[:, None] & (offs < n)
+    c = tl.load(c_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    d = tl.abs(c - b)
+    if EXACT:
+        d = tl.where((tl.abs(c) < float("inf")) & (tl.abs(b) < float("inf")), d, -1.0)
+    pos = tl.min(tl.min(tl.where(m & (d == top), offs, 9223372036854775807), axis=1), axis=0)
+    return top, pos
+
+
+@triton.jit
+def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr):
+    # The common case, every value finite: no masks on full tiles (vectorised loads, the next tile
+    # loaded before the current one is reduced), no non-finite bookkeeping. A NaN or Inf anywhere (or
+    # an overflowing |d|) makes Σ|d| non-finite, and the caller then redoes the program exactly.
+    ROWS: tl.constexpr = BLOCK // VEC
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, VEC)
+    lane = rows[:, None] * VEC + cols[None, :]
+    best = tl.full([ROWS], -1.0, tl.float32)
+    best_t = tl.zeros([ROWS], tl.int32)
+    s_abs = tl.zeros([ROWS], tl.float32)
+    s_d2 = tl.zeros([ROWS], tl.float32)
+    s_b2 = tl.zeros([ROWS], tl.float32)
+    s_c2 = tl.zeros([ROWS], tl.float32)
+    m_rel = tl.zeros([ROWS], tl.float32)
+    m_b = tl.zeros([ROWS], tl.float32)
+    ha, hb = _hist_init(ROWS, HIST)
+    # addresses: one scalar base per tile plus the tile's (constant) int32 lane offsets
+    nfull = (n // BLOCK).to(tl.int32)
+    t = pid
+    go = t < nfull
+    base = tl.cast(t, tl.int64) * BLOCK
+    c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
+    b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
+    while t < nfull:
         c = c_nx.to(tl.float32)
         b = b_nx.to(tl.float32)
-        m = m_nx
-        start += step
-        offs = start + lane
-        m_nx = offs < n
-        c_nx = tl.load(c_ptr + offs, mask=m_nx, other=0.0)
-        b_nx = tl.load(b_ptr + offs, mask=m_nx, other=0.0)
+        tt = t
+        t += nprog
+        go = t < nfull
+        base = tl.cast(t, tl.int64) * BLOCK
+        c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
+        b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
+        best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
+            c, b, lane, BLOCK, tt, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, False, HIST)
+    if nfull % nprog == pid:  # noqa: SIM102 - the partial last tile, if any, is the next program's
+        if nfull.to(tl.int64) * BLOCK < n:
+            base = nfull.to(tl.int64) * BLOCK
+            rem = (n - base).to(tl.int32)
+            m = lane < rem
+            c = tl.load(c_ptr + base + lane, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + base + lane, mask=m, other=0.0).to(tl.float32)
+            best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
+                c, b, lane, rem, nfull, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, True, HIST)
+    top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, False, BLOCK, VEC)
+    return top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, _hist_final(ha, hb, lane, HIST)
+
+
+@triton.jit
+def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr):
+    # Every definition of shadowd.hook.diffstats, non-finite values included (compared positions only
+    # in the sums and maxima; NaN / Inf counts per side; candidate-only and baseline-only positions).
+    ROWS: tl.constexpr = BLOCK // VEC
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, VEC)
+    lane = rows[:, None] * VEC + cols[None, :]
+    best = tl.full([ROWS], -1.0, tl.float32)
+    best_t = tl.zeros([ROWS], tl.int32)
+    s_abs = tl.zeros([ROWS], tl.float32)
+    s_d2 = tl.zeros([ROWS], tl.float32)
+    s_b2 = tl.zeros([ROWS], tl.float32)
+    s_c2 = tl.zeros([ROWS], tl.float32)
+    m_rel = tl.zeros([ROWS], tl.float32)
+    m_b = tl.zeros([ROWS], tl.float32)
+    nan_b = tl.zeros([ROWS], tl.int32)
+    inf_b = tl.zeros([ROWS], tl.int32)
+    nan_c = tl.zeros([ROWS], tl.int32)
+    inf_c = tl.zeros([ROWS], tl.int32)
+    c_only = tl.zeros([ROWS], tl.int32)
+    b_only = tl.zeros([ROWS], tl.int32)
+    ha, hb = _hist_init(ROWS, HIST)
+    ntiles = tl.cdiv(n, BLOCK).to(tl.int32)
+    for t in range(pid, ntiles, nprog):
+        base = tl.cast(t, tl.int64) * BLOCK
+        rem = tl.minimum(n - base, BLOCK).to(tl.int32)
+        m = lane < rem
+        c = tl.load(c_ptr + base + lane, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + base + lane, mask=m, other=0.0).to(tl.float32)
         ac = tl.abs(c)
         ab = tl.abs(b)
         fc = ac < float("inf")  # False for NaN and Inf
@@ -112,95 +294,146 @@ def _partial_kernel(c_ptr, b_ptr, part_ptr, n_static, valid_ptr, row_numel, flag
         d = tl.where(cmp, tl.abs(c - b), 0.0)
         bz = tl.where(cmp, b, 0.0)
         cz = tl.where(cmp, c, 0.0)
-        dm = tl.where(cmp, d, -1.0)
-        better = dm > best
-        best = tl.where(better, dm, best)
-        best_it = tl.where(better, it, best_it)
-        s_abs += d
-        s_d2 += d * d
-        s_b2 += bz * bz
-        s_c2 += cz * cz
-        m_rel = tl.maximum(m_rel, d / tl.maximum(ab, TINY))
-        m_b = tl.maximum(m_b, tl.where(fb & m, ab, 0.0))
-        nf_b += tl.where(m & (b != b), 1, 0) + tl.where(m & (ab == float("inf")), 65536, 0)
-        nf_c += tl.where(m & (c != c), 1, 0) + tl.where(m & (ac == float("inf")), 65536, 0)
-        mis += tl.where(m & fb & (~fc), 1, 0) + tl.where(m & fc & (~fb), 65536, 0)
+        dmax = tl.max(tl.where(cmp, d, -1.0), axis=1)
+        better = dmax > best
+        best = tl.where(better, dmax, best)
+        best_t = tl.where(better, t, best_t)
+        s_abs += tl.sum(d, axis=1)
+        s_d2 += tl.sum(d * d, axis=1)
+        s_b2 += tl.sum(bz * bz, axis=1)
+        s_c2 += tl.sum(cz * cz, axis=1)
+        m_rel = tl.maximum(m_rel, tl.max(d / tl.maximum(ab, TINY), axis=1))
+        m_b = tl.maximum(m_b, tl.max(tl.where(fb & m, ab, 0.0), axis=1))
+        nan_b += tl.sum((m & (b != b)).to(tl.int32), axis=1)
+        inf_b += tl.sum((m & (ab == float("inf"))).to(tl.int32), axis=1)
+        nan_c += tl.sum((m & (c != c)).to(tl.int32), axis=1)
+        inf_c += tl.sum((m & (ac == float("inf"))).to(tl.int32), axis=1)
+        c_only += tl.sum((m & fb & (~fc)).to(tl.int32), axis=1)
+        b_only += tl.sum((m & fc & (~fb)).to(tl.int32), axis=1)
         if HIST:
-            bits = d.to(tl.int32, bitcast=True)
-            e = ((bits >> 23) & 0xFF) - 127
-            bn = tl.minimum(tl.maximum(e, HIST_EXP_MIN), HIST_EXP_MAX) + (1 - HIST_EXP_MIN)
-            bn = tl.where(d == 0.0, 0, bn)
-            bn = tl.where(cmp, bn, HIST_BINS - 1)
-            bn = tl.where(m, bn, HB - 1)
-            hist += tl.histogram(bn, HB)
-        it += 1
-    top = tl.max(best, axis=0)
-    best_i = pid.to(tl.int64) * BLOCK + best_it.to(tl.int64) * step + lane
-    pos = tl.min(tl.where(best == top, best_i, 9223372036854775807), axis=0)
-    nan_c = tl.sum((nf_c & 0xFFFF).to(tl.float64), axis=0)
-    inf_c = tl.sum((nf_c >> 16).to(tl.float64), axis=0)
-    b_only = tl.sum((mis >> 16).to(tl.float64), axis=0)
-    row = part_ptr + pid.to(tl.int64) * 64
-    tl.store(row + R_MAX_ABS, top.to(tl.float64))
-    tl.store(row + R_MAX_POS, tl.where(top >= 0, pos, -1).to(tl.float64))
-    tl.store(row + R_SUM_ABS, tl.sum(s_abs.to(tl.float64), axis=0))
-    tl.store(row + R_MAX_REL, tl.max(m_rel, axis=0).to(tl.float64))
-    tl.store(row + R_SUM_D2, tl.sum(s_d2.to(tl.float64), axis=0))
-    tl.store(row + R_SUM_B2, tl.sum(s_b2.to(tl.float64), axis=0))
-    tl.store(row + R_SUM_C2, tl.sum(s_c2.to(tl.float64), axis=0))
-    tl.store(row + R_OUT_SCALE, tl.max(m_b, axis=0).to(tl.float64))
-    tl.store(row + R_NAN_B, tl.sum((nf_b & 0xFFFF).to(tl.float64), axis=0))
-    tl.store(row + R_INF_B, tl.sum((nf_b >> 16).to(tl.float64), axis=0))
-    tl.store(row + R_NAN_C, nan_c)
-    tl.store(row + R_INF_C, inf_c)
-    tl.store(row + R_CAND_NF, tl.sum((mis & 0xFFFF).to(tl.float64), axis=0))
-    tl.store(row + R_BASE_NF, b_only)
-    # compared = all real positions minus those non-finite on either side
-    # (every tile of this program but the last is full)
-    last = pid.to(tl.int64) * BLOCK + (it - 1) * step
-    mine = tl.where(it > 0, (it - 1) * BLOCK + tl.minimum(n - last, BLOCK), 0)
-    tl.store(row + R_N_CMP, mine.to(tl.float64) - b_only - nan_c - inf_c)
-    tl.store(row + R_NUMEL, n.to(tl.float64))
-    hb = tl.arange(0, HB)
-    tl.store(row + R_HIST + hb, hist.to(tl.float64), mask=hb < HIST_BINS)
+            ha, hb = _hist_add(_bins(d, lane, rem, cmp, True), ha, hb, HIST)
+    top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, True, BLOCK, VEC)
+    hist = _hist_final(ha, hb, lane, HIST)
+    # counts in accumulator order from A_NAN_B: nan_b, inf_b, nan_c, inf_c, cand-only, base-only, 0, 0
+    # (tl.join adds its new axis last, so nested joins interleave: this operand order flattens to it)
+    z = nan_b * 0
+    cnt = tl.join(tl.join(tl.join(nan_b, c_only), tl.join(nan_c, z)),
+                  tl.join(tl.join(inf_b, b_only), tl.join(inf_c, z)))
+    counts = tl.sum(tl.reshape(cnt, [ROWS, 8]).to(tl.int64), axis=0)
+    return top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts
 
 
-@triton.jit(do_not_specialize=["nprog", "ring_size", "rec_size", "site_id"])
-def _final_kernel(part_ptr, nprog, rec_ptr, seq_ptr, ring_size, rec_size, sstate_ptr, dstate_ptr,
-                  hard_scaled, hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, FENCE: tl.constexpr,
-                  NMETA: tl.constexpr):
-    # sstate: [do_stats, use_cand, -, mode, step, call, t0, t1, t2, batch, draft, prefix, publish]
-    # dstate: [step, call, seq, fallback]
-    go = tl.load(sstate_ptr) != 0
+@triton.jit(do_not_specialize=["n_static", "row_numel", "ring_size", "rec_size", "site_id"])
+def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_numel, sstate_ptr, rec_ptr, seq_ptr,
+                  ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id,
+                  HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
+                  PUBLISH: tl.constexpr, FENCE: tl.constexpr, NMETA: tl.constexpr):
+    # Phase 1 (every program): a grid-stride pass over its tiles of the real elements (their count
+    # read from device memory): fp32 per-row sums and maxima, a per-program log2 histogram.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n = n_static.to(tl.int64)
+    if HAS_VALID:
+        n = tl.minimum(tl.load(valid_ptr).to(tl.int64) * row_numel, n)
+    go = tl.load(sstate_ptr) != 0  # do_stats, decided by the control kernel (or the host)
+    n = tl.where(go, n, 0)
+    top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK, VEC, HIST)
+    # (tl.join adds its new axis last, so nested joins interleave: this operand order flattens to
+    # [Σ|d|, Σd², Σb², Σc²])
+    sums = tl.sum(tl.reshape(tl.join(tl.join(s_abs, s_b2), tl.join(s_d2, s_c2)), [BLOCK // VEC, 4]).to(tl.float64),
+                  axis=0)
+    counts = tl.zeros([8], tl.int64)
+    if not (tl.sum(sums, axis=0) < float("inf")):  # a non-finite value in this program's tiles: redo exactly
+        top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts = _exact_pass(c_ptr, b_ptr, pid, nprog, n,
+                                                                                  BLOCK, VEC, HIST)
+        sums = tl.sum(tl.reshape(tl.join(tl.join(s_abs, s_b2), tl.join(s_d2, s_c2)), [BLOCK // VEC, 4])
+                      .to(tl.float64), axis=0)
+
+    # Phase 2 (every program that saw data): fold its partials into the accumulator row with
+    # device-scope atomics, one vector atomic per kind: fp64 sums, integer counts and histogram, and
+    # maxima of non-negative fp32 as their bit patterns — max |d| with its first position packed into
+    # one int64 key (value bits high, inverted position low), so one atomic max keeps both.
+    if tl.cdiv(n, BLOCK) > pid:
+        key = tl.where(top >= 0,
+                       (top.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tl.minimum(pos, POS_MASK - 1) ^ POS_MASK),
+                       0)
+        rel = tl.max(m_rel, axis=0).to(tl.int32, bitcast=True).to(tl.int64)
+        outs = tl.max(m_b, axis=0).to(tl.int32, bitcast=True).to(tl.int64)
+        i4 = tl.arange(0, 4)
+        vmax = tl.where(i4 == A_KEY, key, tl.where(i4 == A_REL, rel, outs))
+        tl.atomic_max(acc_ptr + i4, vmax, mask=(i4 < 3) & (vmax > 0), sem="relaxed")
+        tl.atomic_add(accf_ptr + i4, sums, mask=sums != 0, sem="relaxed")
+        i8 = tl.arange(0, 8)
+        tl.atomic_add(acc_ptr + A_NAN_B + i8, counts, mask=(i8 < 6) & (counts != 0), sem="relaxed")
+        if HIST:
+            hb = tl.arange(0, HB)
+            tl.atomic_add(acc_ptr + A_HIST + hb, hist.to(tl.int64), mask=(hb < HIST_BINS) & (hist != 0),
+                          sem="relaxed")
+    # every thread's atomics are ordered before this program's ticket (fence + CTA barrier, then a
+    # release); the program that draws the last ticket acquires them all and finishes the call
+    if FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(acc_ptr + A_TICKET, 1, sem="acq_rel")
+    if ticket == nprog - 1:
+        _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
+                hard_scaled, hard_rel_l2_sq, site_id, PUBLISH, FENCE, NMETA)
+
+
+@triton.jit
+def _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr, hard_scaled,
+            hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, FENCE: tl.constexpr, NMETA: tl.constexpr):
+    # The last program: the raw vector (layout of shadowd.hook.diffstats) from the accumulator row
+    # (L2 reads: the other programs' atomics live there), which it then resets for the next call
+    # (stream order makes plain stores enough); the on-mode hard-failure check (sticky device fallback
+    # flag); the record into a ring slot, and the slot's sequence number last, behind a CTA barrier
+    # and a system-scope fence.
+    key = tl.load(acc_ptr + A_KEY, cache_modifier=".cg")
+    rel = tl.load(acc_ptr + A_REL, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
+    outs = tl.load(acc_ptr + A_OUTS, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
+    nan_b = tl.load(acc_ptr + A_NAN_B, cache_modifier=".cg")
+    inf_b = tl.load(acc_ptr + A_INF_B, cache_modifier=".cg")
+    nan_c = tl.load(acc_ptr + A_NAN_C, cache_modifier=".cg")
+    inf_c = tl.load(acc_ptr + A_INF_C, cache_modifier=".cg")
+    cnf = tl.load(acc_ptr + A_CNF, cache_modifier=".cg")
+    bnf = tl.load(acc_ptr + A_BNF, cache_modifier=".cg")
+    s_abs = tl.load(accf_ptr + F_ABS, cache_modifier=".cg")
+    sd2 = tl.load(accf_ptr + F_D2, cache_modifier=".cg")
+    sb2 = tl.load(accf_ptr + F_B2, cache_modifier=".cg")
+    sc2 = tl.load(accf_ptr + F_C2, cache_modifier=".cg")
+    rcol = tl.arange(0, 64)
+    # raw-vector column j takes histogram bin j - R_HIST (the accumulator keeps bin k at A_HIST + k)
+    hist = tl.load(acc_ptr + A_HIST + (rcol - R_HIST), mask=(rcol >= R_HIST) & (rcol < NRAW), other=0,
+                   cache_modifier=".cg")
+    tl.debug_barrier()  # every read of the row happens before its reset
+    col = tl.arange(0, ACC_C)
+    tl.store(acc_ptr + col, tl.zeros([ACC_C], tl.int64))
+    tl.store(accf_ptr + tl.arange(0, 8), tl.zeros([8], tl.float64))
     if go:
-        # partials in chunks of 32 rows: vector sums / maxima over all 64 columns at once
-        col = tl.arange(0, 64)
-        sums = tl.zeros([64], tl.float64)
-        maxs = tl.full([64], -1.0, tl.float64)
-        top = tl.full([], -1.0, tl.float64)
-        pos = tl.full([], 9.0e18, tl.float64)
-        for p0 in range(0, nprog, 32):
-            p = p0 + tl.arange(0, 32)
-            pm = p < nprog
-            tile = tl.load(part_ptr + p.to(tl.int64)[:, None] * 64 + col[None, :], mask=pm[:, None], other=0.0)
-            sums += tl.sum(tile, axis=0)
-            maxs = tl.maximum(maxs, tl.max(tl.where(pm[:, None], tile, -1.0), axis=0))
-            mx = tl.where(pm, tl.sum(tl.where(col[None, :] == R_MAX_ABS, tile, 0.0), axis=1), -1.0)
-            ps = tl.sum(tl.where(col[None, :] == R_MAX_POS, tile, 0.0), axis=1)
-            ctop = tl.max(mx, axis=0)
-            cpos = tl.min(tl.where((mx == ctop) & (ps >= 0) & pm, ps, 9.0e18), axis=0)
-            pos = tl.where(ctop > top, cpos, tl.where(ctop == top, tl.minimum(pos, cpos), pos))
-            top = tl.maximum(top, ctop)
-        is_max = (col == R_MAX_ABS) | (col == R_MAX_REL) | (col == R_OUT_SCALE) | (col == R_NUMEL)
-        red = tl.where(is_max, maxs, sums)
-        pos = tl.where(top >= 0, pos, -1.0)
-        red = tl.where(col == R_MAX_POS, pos, red)
-        red = tl.where(col == R_MAX_ABS, tl.maximum(top, 0.0), red)
-        sd2 = tl.sum(tl.where(col == R_SUM_D2, red, 0.0), axis=0)
-        sb2 = tl.sum(tl.where(col == R_SUM_B2, red, 0.0), axis=0)
-        cnf = tl.sum(tl.where(col == R_CAND_NF, red, 0.0), axis=0)
-        scale = tl.sum(tl.where(col == R_OUT_SCALE, red, 0.0), axis=0)
-        hard = (cnf > 0) | (top > hard_scaled * tl.maximum(scale, TINY)) | (sd2 > hard_rel_l2_sq * sb2)
+        has = key > 0
+        top = tl.where(has, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64), 0.0)
+        pos = tl.where(has, ((key & POS_MASK) ^ POS_MASK).to(tl.float64), -1.0)
+        # compared = real positions minus those non-finite on either side
+        n_cmp = n - nan_c - inf_c - bnf
+        red = tl.where((rcol >= R_HIST) & (rcol < NRAW), hist.to(tl.float64), 0.0)
+        red = tl.where(rcol == R_MAX_ABS, top, red)
+        red = tl.where(rcol == R_MAX_POS, pos, red)
+        red = tl.where(rcol == R_SUM_ABS, s_abs, red)
+        red = tl.where(rcol == R_MAX_REL, rel.to(tl.float64), red)
+        red = tl.where(rcol == R_SUM_D2, sd2, red)
+        red = tl.where(rcol == R_SUM_B2, sb2, red)
+        red = tl.where(rcol == R_SUM_C2, sc2, red)
+        red = tl.where(rcol == R_OUT_SCALE, outs.to(tl.float64), red)
+        red = tl.where(rcol == R_NAN_B, nan_b.to(tl.float64), red)
+        red = tl.where(rcol == R_INF_B, inf_b.to(tl.float64), red)
+        red = tl.where(rcol == R_NAN_C, nan_c.to(tl.float64), red)
+        red = tl.where(rcol == R_INF_C, inf_c.to(tl.float64), red)
+        red = tl.where(rcol == R_CAND_NF, cnf.to(tl.float64), red)
+        red = tl.where(rcol == R_BASE_NF, bnf.to(tl.float64), red)
+        red = tl.where(rcol == R_NUMEL, n.to(tl.float64), red)
+        red = tl.where(rcol == R_N_CMP, n_cmp.to(tl.float64), red)
+        hard = (cnf > 0) | (top > hard_scaled * tl.maximum(outs.to(tl.float64), TINY)) | (sd2 > hard_rel_l2_sq * sb2)
         use_cand = tl.load(sstate_ptr + 1) != 0
         fb_old = tl.load(dstate_ptr + 3)
         if use_cand & hard:
@@ -214,7 +447,7 @@ def _final_kernel(part_ptr, nprog, rec_ptr, seq_ptr, ring_size, rec_size, sstate
             slot = seq % ring_size
             rec = rec_ptr + slot * rec_size
             raw = rec + NMETA
-            tl.store(raw + col, red, mask=col < NRAW)
+            tl.store(raw + rcol, red, mask=rcol < NRAW)
             flags = (use_cand.to(tl.int64) + 2 * hard.to(tl.int64)
                      + 4 * ((fb_old != 0) | (use_cand & hard)).to(tl.int64))
             tl.store(rec + 1, tl.load(sstate_ptr + 5).to(tl.float64))  # call
@@ -246,7 +479,7 @@ def _final_kernel(part_ptr, nprog, rec_ptr, seq_ptr, ring_size, rec_size, sstate
                                "host_use_cand", "host_step", "bs", "t", "plen"])
 def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, max_t, max_l,
                     host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
-                    USE_TIMER: tl.constexpr):
+                    USE_TIMER: tl.constexpr, GATED: tl.constexpr):
     # hctrl (pinned host, written by Python at any time): [mode, sample_n, spot_n, disabled, fallback]
     mode = tl.load(hctrl_ptr, volatile=True)
     sample_n = tl.maximum(tl.load(hctrl_ptr + 1, volatile=True), 1)
@@ -276,21 +509,36 @@ def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, ma
     sampled = (step % sample_n) == 0
     spot = (step % spot_n) == 0
     publish = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
-    # under a graph both implementations run on every replay anyway, so every on-mode call is checked
-    # before its output is chosen: a candidate failing between spot checks never reaches the caller
-    do_stats = publish | use_cand
+    # Under a graph, on mode: the candidate is checked against the baseline on spot-check replays only;
+    # on the others the baseline's work is gated to nothing (run_base 0, read by the gate kernel when
+    # the call site has a baseline gate) and, without a gate, it still runs and every call is checked
+    # before its output is chosen.
+    run_base = (~use_cand) | publish
+    do_stats = publish if GATED else publish | use_cand
     if host_decides != 0:
         do_stats = host_do_stats != 0
         publish = do_stats
         use_cand = host_use_cand != 0
+    run_base = run_base | (host_decides != 0)
     tl.store(sstate_ptr, do_stats.to(tl.int64))
     tl.store(sstate_ptr + 1, use_cand.to(tl.int64))
     tl.store(sstate_ptr + 12, publish.to(tl.int64))
+    tl.store(sstate_ptr + 13, run_base.to(tl.int64))
     tl.store(sstate_ptr + 3, mode)
     tl.store(sstate_ptr + 4, step)
     tl.store(sstate_ptr + 5, call)
     if USE_TIMER:
         tl.store(sstate_ptr + 6, tl.extra.cuda.globaltimer().to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["n"])
+def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, BLOCK: tl.constexpr):
+    # dst = src when the baseline must run this call (sstate[13]), else zeros (work sizes of nothing)
+    run = tl.load(sstate_ptr + 13) != 0
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(src_ptr + offs, mask=m & run, other=0)
+    tl.store(dst_ptr + offs, v, mask=m)
 
 
 @triton.jit(do_not_specialize=["idx"])
@@ -308,8 +556,8 @@ def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, BLOCK: tl.c
     tl.store(out_ptr + offs, v, mask=m)
 
 
-partial_kernel = _partial_kernel
-final_kernel = _final_kernel
+stats_kernel = _stats_kernel
+gate_kernel = _gate_kernel
 control_kernel = _control_kernel
 stamp_kernel = _stamp_kernel
 select_kernel = _select_kernel

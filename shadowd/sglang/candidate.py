@@ -7,6 +7,12 @@ clones of the small tensors and watch the large ones (the KV cache):
 * :func:`baseline` — SGLang's own ``TritonAttnBackend.forward_extend`` (the un-hooked original)
   with ``save_kv_cache=False``: the draft K/V were already written by the hook, through SGLang's
   own ``_set_kv_buffer``, so it computes exactly what SGLang computes, into SGLang's output buffer.
+* :func:`baseline_gate` — on mode under a CUDA graph, the context in which :func:`baseline` runs:
+  SGLang's kernels read their work sizes from ``forward_metadata.qo_indptr`` / ``kv_indptr``, so
+  those are swapped for device copies that hold zeros on replays that are neither spot checks nor
+  fallbacks; the captured baseline then does almost nothing there and the graph runs at the
+  candidate's speed (its output on those replays is never read: the select kernel serves the
+  candidate).
 * :func:`candidate` — ``mla_tree_verify.tree_verify`` on CUDA (reads the cache, never writes it;
   its own output tensor). On CPU (tests) the fp32 oracle ``mla_tree_verify.oracle`` stands in.
   ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``).
@@ -17,7 +23,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,7 @@ __all__ = [
     "VerifyCall",
     "baseline",
     "baseline_fingerprint",
+    "baseline_gate",
     "candidate",
     "candidate_fingerprint",
     "candidate_fn",
@@ -55,6 +63,20 @@ def baseline(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """SGLang's Triton path (cache already written): ``[T, H*512]`` in SGLang's output buffer."""
     out: torch.Tensor = call.original(call.backend, q, k, v, call.layer, call.forward_batch, save_kv_cache=False)
     return out
+
+
+@contextmanager
+def baseline_gate(run_flag: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Gate the baseline's work through ``run_flag`` (see the module docstring; graph capture only)."""
+    from shadowd.hook.device import gated_copy
+
+    md = args[0].backend.forward_metadata
+    qo, kv = md.qo_indptr, md.kv_indptr
+    md.qo_indptr, md.kv_indptr = gated_copy(qo, run_flag), gated_copy(kv, run_flag)
+    try:
+        yield
+    finally:
+        md.qo_indptr, md.kv_indptr = qo, kv
 
 
 def _oracle_fp32(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor, qo_indptr: torch.Tensor,

@@ -56,6 +56,18 @@ c2 = torch.where(torch.isnan(c), b, c)
 got2, ref2 = finalize(dev.fused_raw_stats(c2, b).tolist()), stats_torch(c2, b)
 out["max_pos"] = [got2["max_pos"], ref2["max_pos"]]
 out["hist_equal"] = got2["hist"] == ref2["hist"] and got["hist"] == ref["hist"]
+# all-finite outputs take the kernel's fast path (no masks on full tiles, a partial last tile, ties at
+# the maximum resolved to the first position); fp32 rows and padded rows too
+fast = []
+for shape, dt, valid in (((9001,), torch.bfloat16, None), ((77, 130), torch.float32, 70)):
+    b3 = torch.randn(shape, generator=g).to(dt)
+    c3 = (b3.float() + (torch.rand(shape, generator=g) < 0.3) * 0.25).to(dt)
+    v3 = torch.tensor([valid], dtype=torch.int32) if valid else None
+    g3 = finalize(dev.fused_raw_stats(c3, b3, v3).tolist())
+    r3 = stats_torch(c3, b3, valid * shape[1] if valid else None)
+    fast.append(all(math.isclose(g3[k], r3[k], rel_tol=1e-6) if isinstance(r3[k], float) else g3[k] == r3[k]
+                    for k in r3))
+out["fast_path_equal"] = fast
 
 def base(x, w): return x.float() @ w.float()
 scale = torch.ones(1)
@@ -112,6 +124,35 @@ for i in range(6):
     if recs3:
         out.setdefault("between_spot_records", []).extend([r["step"] for r in recs3])
 out["between_spot_outputs"] = res3
+# on mode with a baseline gate (as the SGLang site has): the baseline reads its work size through
+# device memory that the gate zeroes on replays that are neither spot checks nor fallbacks
+import contextlib
+scale.fill_(1.0)
+SIZES = [torch.tensor([5, 7], dtype=torch.int64)]
+seen = []
+def base_sized(x, w):
+    seen.append(int(SIZES[0][0]))
+    return base(x, w)
+@contextlib.contextmanager
+def gate(sstate, args, kwargs):
+    real = SIZES[0]
+    SIZES[0] = dev.gated_copy(real, sstate)
+    try:
+        yield
+    finally:
+        SIZES[0] = real
+rt4 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
+ds4 = rt4.device(); ds4.use_timer = False
+s4 = ShadowSite("t4", base_sized, cand, runtime=rt4, baseline_gate=gate)
+res4 = []
+for i in range(6):
+    if i == 2:
+        scale.fill_(3.0)
+    o = s4(x, w, layer=0, bucket=bk)
+    res4.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
+out["gated_outputs"] = res4
+out["gated_sizes_seen"] = seen
+out["gated_records"] = [r["step"] for r in ds4.poll()]
 print("RESULT " + json.dumps(out))
 '''
 
@@ -126,6 +167,7 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     r = json.loads(line[0][7:])
     assert r["stats_close"] and r["hist_equal"], r
     assert r["max_pos"][0] == r["max_pos"][1]
+    assert r["fast_path_equal"] == [True, True], "all-finite outputs (fast path), max position included"
     assert r["eager_steps"] == [2, 4] and r["eager_numel"] == 12 * 8 and r["eager_bucket"] == [2, 16, 300, 4]
     assert r["eager_max_abs_ok"]
     assert r["device_steps"] == [6, 8], "sampling decided by the control kernel: every 2nd step"
@@ -134,3 +176,8 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert r["on_outputs"] == ["cand", "cand", "cand", "base", "base", "base"] and r["fallback"]
     assert r["between_spot_outputs"] == ["cand", "cand", "base", "base", "base", "base"], r
     assert r["between_spot_records"] == [2, 3], "the spot check (step 2) and the hard failure (step 3) are reported"
+    # gated on mode: the baseline does real work only on spot checks (steps 2, 4) and after the fallback;
+    # a candidate going bad between spot checks (step 3) is served until the next spot check catches it
+    assert r["gated_sizes_seen"] == [0, 5, 0, 5, 5, 5], r
+    assert r["gated_outputs"] == ["cand", "cand", "cand", "base", "base", "base"], r
+    assert r["gated_records"][:2] == [2, 4], r
