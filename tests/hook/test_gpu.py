@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -167,6 +169,54 @@ def test_gpu_on_mode_spot_check_and_fallback_on_replay() -> None:
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gpu_base(x, w))
+
+
+def test_gpu_gated_on_mode_baseline_works_only_on_spot_checks() -> None:
+    """A site with a baseline gate (as SGLang's verify site): on replays that are not spot checks the
+    baseline sees zero work sizes; spot checks run it fully, and a fallback makes it serve again."""
+    from shadowd.hook.device import gated_copy
+
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=2)
+    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
+    worked = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def base_sized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        work = sizes[0][:1] != 0  # read on the device, like SGLang's kernels read qo_indptr
+        worked.add_(work.to(torch.int64))
+        return (gpu_base(a, b).float() * work.float()).to(torch.bfloat16)
+
+    @contextlib.contextmanager
+    def gate(flag: torch.Tensor, args: tuple, kwargs: dict) -> Iterator[None]:
+        real = sizes[0]
+        sizes[0] = gated_copy(real, flag)
+        try:
+            yield
+        finally:
+            sizes[0] = real
+
+    scale = torch.ones(1, device="cuda")
+    site.baseline, site.baseline_gate = base_sized, gate
+    site.candidate = lambda a, b: (gpu_cand(a, b).float() * scale).to(torch.bfloat16)
+    g, out = _capture(site, x, w, bucket)
+    _drain(rt)
+    worked.zero_()
+    records = []
+    for _ in range(6):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_cand(x, w)), "on mode serves the candidate"
+        records += _drain(rt)
+    assert int(worked) == 3, "the baseline had work on the 3 spot-check replays only"
+    # a gated-off baseline would return zeros: a spot check against it would be a hard failure
+    assert len(records) == 3 and not rt.fallback and all(r["rel_l2"] < 0.05 for r in records), records
+    scale.fill_(3.0)  # the candidate goes wrong: the next spot check catches it and the baseline serves
+    outs = []
+    for _ in range(4):
+        g.replay()
+        torch.cuda.synchronize()
+        outs.append(torch.equal(out, gpu_base(x, w)))
+        _drain(rt)
+    assert outs[-3:] == [True, True, True] and rt.fallback, outs
 
 
 def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
