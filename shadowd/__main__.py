@@ -2,4 +2,5 @@
 
 from shadowd.cli import app
 
-app()
+if __name__ == "__main__":  # the collector's writer process imports this module again under another name
+    app()

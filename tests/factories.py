@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from shadowd.wire import HIST_BINS
+from shadowd.wire import COLUMNS, HIST_BINS, pack_column
 
-__all__ = ["make_batch", "run_body"]
+__all__ = ["make_batch", "pack_columns", "run_body"]
 
 
 def run_body(key: str | None = None, num_layers: int = 4, tp_size: int = 1, **over: Any) -> dict[str, Any]:
@@ -30,13 +30,15 @@ def run_body(key: str | None = None, num_layers: int = 4, tp_size: int = 1, **ov
     return body
 
 
-def make_batch(n: int, *, num_layers: int = 4, packed_hist: bool = False, seq: int = 0, producer: str = "p-test",
+def make_batch(n: int, *, num_layers: int = 4, packed_hist: bool = False, packed: bool = False, seq: int = 0,
+               producer: str = "p-test",
                rank: int = 0, step0: int = 0, ts0: float = 1.8e9, rel_l2: float = 3e-3, seed: int = 0,
                shapes: list[tuple[int, int, int, int]] | None = None, **columns: Any) -> dict[str, Any]:
     """A columnar batch of ``n`` in-tolerance samples: steps of ``num_layers`` calls each.
 
     ``shapes`` is a list of (batch_size, draft_tokens, prefix_len, heads) drawn per step.
-    Any column can be overridden by passing a list (or a scalar, broadcast).
+    Any column can be overridden by passing a list (or a scalar, broadcast). ``packed_hist`` sends
+    ``hist`` packed; ``packed`` sends every numeric column packed (what the hook's streamer sends).
     """
     rng = np.random.default_rng(seed)
     idx = np.arange(n)
@@ -81,4 +83,20 @@ def make_batch(n: int, *, num_layers: int = 4, packed_hist: bool = False, seq: i
         cols["hist"] = hist.astype("<i8").tobytes()
     for k, v in columns.items():
         cols[k] = v if isinstance(v, list) else [v] * n
+    if packed:
+        cols = pack_columns(cols)
     return {"producer": producer, "seq": seq, "samples": cols}
+
+
+def pack_columns(cols: dict[str, Any]) -> dict[str, Any]:
+    """The same columns with every numeric one packed (shadowd.wire's packed form)."""
+    kinds = {c.name: c.kind for c in COLUMNS}
+    out: dict[str, Any] = {}
+    for k, v in cols.items():
+        if k == "hist" and isinstance(v, list):
+            out[k] = np.asarray(v, dtype="<i8").tobytes()
+        elif kinds.get(k) in ("int", "float") and isinstance(v, list):
+            out[k] = pack_column(kinds[k], v)  # type: ignore[arg-type]
+        else:
+            out[k] = v
+    return out

@@ -65,6 +65,12 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not settings.token:
             log.warning(NO_TOKEN_WARNING)
+        if settings.writer_process():
+            from shadowd.collector.writer import IngestWriter
+
+            state.writer = await run_in_threadpool(
+                IngestWriter(settings.db_url, policy, settings.time_bucket_s, settings.store_samples,
+                             settings.ingest_writer_processes).start)
         tasks = []
         if settings.retention_hours > 0:
             tasks.append(asyncio.create_task(_retention_loop(state)))
@@ -74,6 +80,9 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
         finally:
             for task in tasks:
                 task.cancel()
+            if state.writer is not None:
+                await run_in_threadpool(state.writer.close)
+                state.writer = None
             engine.dispose()
 
     app = FastAPI(title="shadowd collector", version=__version__, lifespan=lifespan,

@@ -2,10 +2,16 @@
 
 Every rejection raises :class:`BadBatch` naming the field (``samples.max_abs[17]``) and
 what was wrong, before anything is written: a bad batch stores nothing.
+
+Numeric columns arrive as lists or packed (msgpack ``bin``: little-endian int64 / float64, see
+shadowd.wire); both become the same numpy arrays. The content digest used for duplicate
+detection is computed over those arrays (:func:`columns_digest`), so a batch re-sent as JSON, as
+lists or packed is the same content, and no re-encoding of the body is needed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,15 +19,20 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import orjson
 
+from shadowd.collector import histblob
 from shadowd.wire import COLUMNS, HIST_BINS, PRODUCER_STATS, Column, samples_digest
 
-__all__ = ["MAX_SAMPLES", "BadBatch", "ValidBatch", "parse_batch"]
+__all__ = ["DIGEST_PREFIX", "MAX_SAMPLES", "BadBatch", "ValidBatch", "columns_digest", "parse_batch"]
 
 MAX_SAMPLES = 200_000
 _BY_NAME = {c.name: c for c in COLUMNS}
 _MODES = {"validate", "on"}
 _I64_MAX = 2**63 - 1
+#: digests computed over the decoded columns start with this; older ones (sha256 of a msgpack
+#: re-encoding of the ``samples`` mapping) have no prefix
+DIGEST_PREFIX = "v2:"
 
 
 class BadBatch(ValueError):
@@ -44,6 +55,42 @@ class ValidBatch:
     digest: str
     content_hash: str | None = None
     producer_stats: dict[str, int] = field(default_factory=dict)
+    #: ``hist`` in its stored form (shadowd.collector.histblob), one row per sample
+    stored_hist: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: the decoded ``samples`` mapping as received (only for :meth:`legacy_digest`; not sent anywhere)
+    raw: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def legacy_digest(self) -> str | None:
+        """The digest an earlier collector stored for this content (msgpack re-encoding), if known."""
+        if self.raw is None:
+            return None
+        return samples_digest(msgpack.packb({k: self.raw[k] for k in sorted(self.raw)}, use_bin_type=True))
+
+
+def columns_digest(cols: Mapping[str, Any], stored_hist: np.ndarray | None = None) -> str:
+    """The content digest of validated columns: sha256 over every column in wire order.
+
+    Numbers are hashed as little-endian int64 / float64 (NaN made canonical), strings as JSON,
+    ``hist`` as one width byte and its counts as little-endian unsigned integers of that width (the
+    narrowest of 1, 2, 4, 8 bytes that holds the batch's largest count; ``stored_hist`` when given),
+    so the digest does not depend on how the batch was encoded.
+    """
+    h = hashlib.sha256()
+    for col in COLUMNS:
+        v = cols[col.name]
+        h.update(col.name.encode() + b"\0")
+        if col.kind == "str":
+            h.update(orjson.dumps(v))
+            continue
+        if col.name == "hist":
+            h.update(np.ascontiguousarray(stored_hist if stored_hist is not None else histblob.encode_rows(v)).data)
+            continue
+        a = np.ascontiguousarray(v, dtype="<f8" if col.kind == "float" else "<i8")
+        if col.kind == "float" and (nan := np.isnan(a)).any():
+            a = np.where(nan, np.nan, a)
+        h.update(len(a).to_bytes(8, "little"))
+        h.update(a.data)
+    return DIGEST_PREFIX + h.hexdigest()[: 64 - len(DIGEST_PREFIX)]
 
 
 def _as_array(raw: list[Any]) -> np.ndarray:
@@ -58,7 +105,26 @@ def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _int_column(name: str, raw: list[Any], col: Column) -> np.ndarray:
+def _packed(name: str, raw: bytes, n: int, dtype: str) -> np.ndarray:
+    if len(raw) != n * 8:
+        raise BadBatch(f"samples.{name}", f"packed column must be {n} × 8 bytes ({n * 8}), got {len(raw)} bytes")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _check_range(name: str, arr: np.ndarray, col: Column) -> None:
+    if col.minimum is not None and arr.size and (low := arr < col.minimum).any():
+        i = _first_bad(low)
+        raise BadBatch(f"samples.{name}[{i}]", f"must be ≥ {col.minimum:g}, got {arr[i]}")
+    if col.maximum is not None and arr.size and (high := arr > col.maximum).any():
+        i = _first_bad(high)
+        raise BadBatch(f"samples.{name}[{i}]", f"must be ≤ {col.maximum:g}, got {arr[i]}")
+
+
+def _int_column(name: str, raw: list[Any] | bytes, col: Column, n: int) -> np.ndarray:
+    if isinstance(raw, bytes):
+        arr = _packed(name, raw, n, "<i8")
+        _check_range(name, arr, col)
+        return arr
     arr = _as_array(raw)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
         for i, v in enumerate(raw):
@@ -69,27 +135,28 @@ def _int_column(name: str, raw: list[Any], col: Column) -> np.ndarray:
                 raise BadBatch(f"samples.{name}[{i}]", "integer out of range")
         raise BadBatch(f"samples.{name}", "must be a list of integers")
     arr = arr.astype(np.int64, copy=False)
-    if col.minimum is not None and arr.size and (low := arr < col.minimum).any():
-        i = _first_bad(low)
-        raise BadBatch(f"samples.{name}[{i}]", f"must be ≥ {col.minimum:g}, got {arr[i]}")
+    _check_range(name, arr, col)
     return arr
 
 
-def _float_column(name: str, raw: list[Any], col: Column) -> np.ndarray:
-    arr = _as_array(raw)
-    if arr.dtype.kind not in "fiu" or arr.ndim != 1:
-        none_ok = col.nullable or col.nan_ok
-        vals = []
-        for i, v in enumerate(raw):
-            if v is None and none_ok:
-                vals.append(math.nan)
-            elif isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise BadBatch(f"samples.{name}[{i}]", f"must be a number, got {type(v).__name__}")
-            else:
-                vals.append(float(v))
-        arr = np.asarray(vals, dtype=np.float64)
+def _float_column(name: str, raw: list[Any] | bytes, col: Column, n: int) -> np.ndarray:
+    if isinstance(raw, bytes):
+        arr = _packed(name, raw, n, "<f8")
     else:
-        arr = arr.astype(np.float64, copy=False)
+        arr = _as_array(raw)
+        if arr.dtype.kind not in "fiu" or arr.ndim != 1:
+            none_ok = col.nullable or col.nan_ok
+            vals = []
+            for i, v in enumerate(raw):
+                if v is None and none_ok:
+                    vals.append(math.nan)
+                elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise BadBatch(f"samples.{name}[{i}]", f"must be a number, got {type(v).__name__}")
+                else:
+                    vals.append(float(v))
+            arr = np.asarray(vals, dtype=np.float64)
+        else:
+            arr = arr.astype(np.float64, copy=False)
     nan = np.isnan(arr)
     if not (col.nan_ok or col.nullable) and nan.any():
         raise BadBatch(f"samples.{name}[{_first_bad(nan)}]", "must be a number, got NaN")
@@ -181,8 +248,12 @@ def parse_batch(body: Any) -> ValidBatch:
             if col.required:
                 raise BadBatch(f"samples.{col.name}", "missing required column")
             continue
-        if isinstance(values, bytes) and col.name == "hist":
-            continue  # packed; its length is checked against n below
+        if isinstance(values, bytes):
+            if col.kind == "str":
+                raise BadBatch(f"samples.{col.name}", "must be a list")
+            if n is None and col.name != "hist":
+                n = len(values) // 8  # packed: its exact length is checked when it is decoded
+            continue
         if not isinstance(values, list):
             raise BadBatch(f"samples.{col.name}", "must be a list")
         if n is None:
@@ -201,12 +272,12 @@ def parse_batch(body: Any) -> ValidBatch:
             continue
         if col.name == "hist":
             cols["hist"] = _hist_column(values, n)
-        elif col.kind == "int" and col.nullable:
-            cols[col.name] = _int_column(col.name, [0 if v is None else v for v in values], col)
+        elif col.kind == "int" and col.nullable and not isinstance(values, bytes):
+            cols[col.name] = _int_column(col.name, [0 if v is None else v for v in values], col, n)
         elif col.kind == "int":
-            cols[col.name] = _int_column(col.name, values, col)
+            cols[col.name] = _int_column(col.name, values, col, n)
         elif col.kind == "float":
-            cols[col.name] = _float_column(col.name, values, col)
+            cols[col.name] = _float_column(col.name, values, col, n)
         else:
             cols[col.name] = _str_column(col.name, values)
     for name in ("oracle_cand_err", "oracle_base_err", "cand_us", "base_us"):
@@ -214,13 +285,15 @@ def parse_batch(body: Any) -> ValidBatch:
     cols.setdefault("new_requests", np.zeros(n, dtype=np.int64))
     cols.setdefault("error", [None] * n)
     cols.setdefault("mode", [None] * n)
-    canonical = msgpack.packb({k: raw[k] for k in sorted(raw)}, use_bin_type=True)
+    stored_hist = histblob.encode_rows(cols["hist"])
     return ValidBatch(
         producer=producer,
         seq=seq,
         n=n,
         cols=cols,
-        digest=samples_digest(canonical),
+        digest=columns_digest(cols, stored_hist),
         content_hash=content_hash,
         producer_stats=stats,
+        stored_hist=stored_hist,
+        raw=raw,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from sqlalchemy import Engine
@@ -25,6 +25,8 @@ class AppState:
     store: Store
     policy: Policy
     metrics: CollectorMetrics
+    #: the ingest writer process (shadowd.collector.writer) while the app runs; None: write inline
+    writer: Any = None
 
 
 def get_state(request: Request) -> AppState:

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shadowd.collector.batch import BadBatch
 from shadowd.collector.store import Conflict, UnknownRun
+from shadowd.collector.writer import WriterUnavailable
 
 __all__ = ["ApiError", "install_error_handlers"]
 
@@ -70,6 +71,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
         # the transaction was rolled back: nothing of the request is stored; the producer retries
         log.warning("database error on %s: %s", request.url.path, type(exc.orig).__name__)
+        return JSONResponse({"detail": {"field": "database", "error": "database unavailable; retry later"}},
+                            status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(WriterUnavailable)
+    async def _writer(request: Request, exc: WriterUnavailable) -> JSONResponse:
+        # nothing of the batch was committed; the producer retries
+        log.warning("ingest write failed on %s: %s", request.url.path, exc)
         return JSONResponse({"detail": {"field": "database", "error": "database unavailable; retry later"}},
                             status_code=503, headers={"Retry-After": "1"})
 

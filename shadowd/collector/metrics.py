@@ -28,7 +28,7 @@ from sqlalchemy import Engine, select
 
 from shadowd.collector import tables as t
 from shadowd.collector.queries import runs_for_metrics, speculative_of
-from shadowd.judge.bins import NONFINITE_BIN, ZERO_BIN
+from shadowd.judge.bins import NONFINITE_BIN, OCTAVE_SUFFIX, ZERO_BIN
 
 __all__ = ["HIST_EXPORTS", "CollectorMetrics", "RollupExporter", "cell_bucket_label"]
 
@@ -124,7 +124,8 @@ class RollupExporter(Collector):
             cells = [dict(r) for r in conn.execute(select(t.cells).where(t.cells.c.run_id.in_(ids))).mappings()]
             hists = conn.execute(
                 select(t.hists.c.run_id, t.hists.c.layer, t.hists.c.stat, t.hists.c.bin, t.hists.c["count"])
-                .where(t.hists.c.run_id.in_(ids) & t.hists.c.stat.in_(list(HIST_EXPORTS)))
+                .where(t.hists.c.run_id.in_(ids) & t.hists.c.stat.in_([s + OCTAVE_SUFFIX for s in HIST_EXPORTS])
+                       & (t.hists.c.layer >= 0))
             ).all()
             prods = [dict(r) for r in conn.execute(select(t.producers).where(t.producers.c.run_id.in_(ids)))
                      .mappings()]
@@ -138,8 +139,8 @@ class RollupExporter(Collector):
             for stat, col in _SUM_COLUMN.items():
                 sums[(c["run_id"], c["layer"], stat)] += c[col]
         bins: dict[tuple[int, int, str], list[tuple[int, int]]] = defaultdict(list)
-        for run_id, layer, stat, b, count in hists:
-            bins[(run_id, layer, stat)].append((b, count))
+        for run_id, layer, stat, b, count in hists:  # per-layer octave bins
+            bins[(run_id, layer, stat.removesuffix(OCTAVE_SUFFIX))].append((b, count))
         for stat, (name, doc, exps) in HIST_EXPORTS.items():
             fam = HistogramMetricFamily(name, doc, labels=["run", "layer"])
             for (run_id, layer, s), items in sorted(bins.items()):
@@ -147,7 +148,7 @@ class RollupExporter(Collector):
                     continue
                 buckets = []
                 for k in exps:
-                    edge = 4 * k - 1  # bins b <= 4k-1 have upper edge <= 2^k
+                    edge = k - 1  # octave bins b <= k-1 have upper edge <= 2^k
                     buckets.append((f"{2.0 ** k:.6g}", float(sum(c for b, c in items
                                                                    if b == ZERO_BIN or (b != NONFINITE_BIN
                                                                                         and b <= edge)))))

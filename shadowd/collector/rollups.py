@@ -4,7 +4,8 @@ Ingest turns a batch into a few hundred *deltas* — per (layer, shape bucket) c
 (layer, time bucket) slot, per (layer, statistic, histogram bin), per verify step, and the
 run's own counters — which the store applies with atomic increments.
 
-Histograms of per-call statistics use the quarter-octave bins of shadowd.judge.bins.
+Histograms of per-call statistics use the bins of shadowd.judge.bins: quarter-octave run-wide,
+octave per layer (and quarter-octave per layer for the oracle ratio).
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from typing import Any
 import numpy as np
 
 from shadowd.collector.batch import ValidBatch
-from shadowd.judge.bins import HIST_STATS, stat_bins
+from shadowd.judge.bins import (
+    BIN_MAX,
+    BIN_MIN,
+    HIST_STATS,
+    NONFINITE_BIN,
+    OCTAVE_SUFFIX,
+    RUN_WIDE,
+    ZERO_BIN,
+    octave_of,
+    stat_bins,
+)
 from shadowd.judge.policy import Policy
 
 __all__ = ["COUNTERS", "HIST_STATS", "MAXES", "SUMS", "Deltas", "Rows", "compute_deltas"]
@@ -29,17 +40,25 @@ MAXES = ("max_max_abs", "max_rel_l2", "max_cos_diff", "max_max_rel", "max_scaled
 
 @dataclass
 class Rows:
-    """Rows for one table: column names and one tuple per row (ready for executemany)."""
+    """Rows for one table, column by column: names and one list of values per column."""
 
     cols: tuple[str, ...]
-    rows: list[tuple[Any, ...]]
+    values: list[list[Any]]
+
+    def __len__(self) -> int:
+        return len(self.values[0]) if self.values else 0
+
+    @property
+    def rows(self) -> list[tuple[Any, ...]]:
+        """One tuple per row (what executemany takes)."""
+        return list(zip(*self.values, strict=True))
 
     def dicts(self) -> list[dict[str, Any]]:
         return [dict(zip(self.cols, r, strict=True)) for r in self.rows]
 
 
 def _rows(columns: dict[str, list[Any]]) -> Rows:
-    return Rows(tuple(columns), list(zip(*columns.values(), strict=True)))
+    return Rows(tuple(columns), list(columns.values()))
 
 
 @dataclass
@@ -52,7 +71,6 @@ class Deltas:
     steps: Rows
     run: dict[str, Any]
     exceeded: np.ndarray
-    derived: dict[str, np.ndarray]
 
 
 def _pow2_ceil(x: np.ndarray) -> np.ndarray:
@@ -60,8 +78,25 @@ def _pow2_ceil(x: np.ndarray) -> np.ndarray:
     return np.left_shift(1, np.ceil(np.log2(x)).astype(np.int64))
 
 
-def _group(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Unique key rows and the inverse index of each sample (keys packed into one int64)."""
+@dataclass
+class _Groups:
+    """Samples grouped by a key: the distinct keys, each sample's group, and one sort shared by all
+    reductions (``order`` sorts the samples by group, ``starts`` is where each group begins in it)."""
+
+    keys: np.ndarray  # (g, k) distinct key rows
+    inv: np.ndarray
+    order: np.ndarray
+    starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def reduce(self, ufunc: np.ufunc, values: np.ndarray) -> np.ndarray:
+        return ufunc.reduceat(values[self.order], self.starts)
+
+
+def _group(keys: list[np.ndarray]) -> _Groups:
+    """Group samples by key columns (packed into one int64, sorted once)."""
     packed = np.zeros(len(keys[0]), dtype=np.int64)
     radix = []
     for k in keys:
@@ -69,40 +104,65 @@ def _group(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         span = int(k.max()) - lo + 1
         radix.append((lo, span))
         packed = packed * span + (k - lo)
-    uniq, inverse = np.unique(packed, return_inverse=True)
+    order = np.argsort(packed, kind="stable")
+    ps = packed[order]
+    first = np.empty(len(ps), dtype=bool)
+    first[:1] = True
+    np.not_equal(ps[1:], ps[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    uniq = ps[starts]
+    inv = np.empty(len(ps), dtype=np.int64)
+    inv[order] = np.cumsum(first) - 1
     cols = []
     rest = uniq
     for lo, span in reversed(radix):
         cols.append(rest % span + lo)
         rest = rest // span
-    return np.stack(cols[::-1], axis=1), inverse.reshape(-1)
+    return _Groups(np.stack(cols[::-1], axis=1), inv, order, starts)
 
 
-def _group_reduce(ufunc: np.ufunc, inv: np.ndarray, g: int, values: np.ndarray) -> np.ndarray:
-    """Per-group ``ufunc.reduce`` of ``values`` (every group 0..g-1 must be present in ``inv``)."""
-    order = np.argsort(inv, kind="stable")
-    starts = np.searchsorted(inv[order], np.arange(g))
-    return ufunc.reduceat(values[order], starts)
-
-
-def _aggregate(inv: np.ndarray, g: int, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _aggregate(grp: _Groups, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
+    g = len(grp)
     for name in COUNTERS:
-        out[name] = np.bincount(inv, weights=m[name], minlength=g).round().astype(np.int64)
+        out[name] = np.bincount(grp.inv, weights=m[name], minlength=g).round().astype(np.int64)
     for name in SUMS:
-        out[name] = np.bincount(inv, weights=m[name], minlength=g)
-    order = np.argsort(inv, kind="stable")
-    starts = np.searchsorted(inv[order], np.arange(g))
+        out[name] = np.bincount(grp.inv, weights=m[name], minlength=g)
     for name in MAXES:
-        out[name] = np.fmax.reduceat(m[name][order], starts)
+        out[name] = grp.reduce(np.fmax, m[name])
     return out
+
+
+def _bin_counts(bins: np.ndarray, layers: np.ndarray | None, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+    """Counts per (layer, bin) — or per bin when ``layers`` is None — of bins in [lo, hi] plus the two
+    sentinels: (layers, bins, counts) of the non-empty ones, sorted."""
+    k = hi - lo + 3  # regular bins, then ZERO_BIN, then NONFINITE_BIN
+    code = np.where(bins == ZERO_BIN, k - 2, np.where(bins == NONFINITE_BIN, k - 1, bins - lo))
+    if layers is None:
+        counts = np.bincount(code, minlength=k)
+        nz = np.flatnonzero(counts)
+        return np.full(len(nz), RUN_WIDE), _decode_bins(nz, lo, k), counts[nz]
+    l0 = int(layers.min())
+    span = int(layers.max()) - l0 + 1
+    if span * k > 1 << 20:  # very sparse layer ids: group by sorting instead
+        grp = _group([layers, bins])
+        return grp.keys[:, 0], grp.keys[:, 1], np.bincount(grp.inv, minlength=len(grp))
+    counts = np.bincount((layers - l0) * k + code, minlength=span * k)
+    nz = np.flatnonzero(counts)
+    return nz // k + l0, _decode_bins(nz % k, lo, k), counts[nz]
+
+
+def _decode_bins(code: np.ndarray, lo: int, k: int) -> np.ndarray:
+    return np.where(code == k - 2, ZERO_BIN, np.where(code == k - 1, NONFINITE_BIN, code + lo))
 
 
 def _measures(b: ValidBatch, exceeded: np.ndarray, scaled: np.ndarray, ratio: np.ndarray) -> dict[str, Any]:
     c = b.cols
     stats = np.stack([c["max_abs"], c["rel_l2"], c["cos_diff"], scaled])
     nan_stat = ~np.isfinite(stats).all(axis=0)
-    err = np.array([e is not None for e in c["error"]], dtype=bool)
+    errors = c["error"]
+    err = (np.zeros(b.n, dtype=bool) if errors.count(None) == len(errors)
+           else np.array([e is not None for e in errors], dtype=bool))
     oracle = ~np.isnan(c["oracle_cand_err"]) & ~np.isnan(c["oracle_base_err"])
     timed = ~np.isnan(c["cand_us"]) & ~np.isnan(c["base_us"])
 
@@ -161,53 +221,56 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
     heads = c["heads"]
     ts = c["ts"]
 
-    uniq, inv = _group([layer, bs_b, t_b, p_b, heads])
-    g = len(uniq)
-    agg = _aggregate(inv, g, m)
+    grp = _group([layer, bs_b, t_b, p_b, heads])
+    g = len(grp)
+    agg = _aggregate(grp, m)
     cells = _rows({
         "run_id": [run_id] * g,
-        **{k: uniq[:, i].tolist() for i, k in enumerate(("layer", "bs_bucket", "t_bucket", "prefix_bucket", "heads"))},
+        **{k: grp.keys[:, i].tolist()
+           for i, k in enumerate(("layer", "bs_bucket", "t_bucket", "prefix_bucket", "heads"))},
         **{k: v.tolist() for k, v in agg.items()},
-        "first_ts": _group_reduce(np.fmin, inv, g, ts).tolist(),
-        "last_ts": _group_reduce(np.fmax, inv, g, ts).tolist(),
+        "first_ts": grp.reduce(np.fmin, ts).tolist(),
+        "last_ts": grp.reduce(np.fmax, ts).tolist(),
     })
 
     tb = (np.floor(ts / time_bucket_s) * time_bucket_s).astype(np.int64)
-    uniq, inv = _group([layer, tb])
-    g = len(uniq)
-    agg = _aggregate(inv, g, m)
-    slots = _rows({"run_id": [run_id] * g, "layer": uniq[:, 0].tolist(), "t": uniq[:, 1].tolist(),
+    grp = _group([layer, tb])
+    g = len(grp)
+    agg = _aggregate(grp, m)
+    slots = _rows({"run_id": [run_id] * g, "layer": grp.keys[:, 0].tolist(), "t": grp.keys[:, 1].tolist(),
                    **{k: v.tolist() for k, v in agg.items()}})
 
+    # histograms: run-wide quarter-octave ones (layer RUN_WIDE) of the four statistics, per-layer octave
+    # ones of the same (stat + OCTAVE_SUFFIX: what the per-layer metrics and the per-layer bounds need, in
+    # a quarter of the rows), and per-layer quarter-octave ones of the oracle ratio (the per-layer median)
     hist_cols: dict[str, list[Any]] = {"run_id": [], "layer": [], "stat": [], "bin": [], "count": []}
-    for stat, values, mask in (
-        ("max_abs", c["max_abs"], None),
-        ("rel_l2", c["rel_l2"], None),
-        ("cos_diff", c["cos_diff"], None),
-        ("scaled", scaled, None),
-        ("oracle_ratio", ratio, m["_oracle"]),
-    ):
-        sel = np.ones(b.n, dtype=bool) if mask is None else mask
-        if not sel.any():
-            continue
-        uniq, inv = _group([layer[sel], stat_bins(values[sel])])
-        g = len(uniq)
-        hist_cols["run_id"] += [run_id] * g
-        hist_cols["layer"] += uniq[:, 0].tolist()
-        hist_cols["stat"] += [stat] * g
-        hist_cols["bin"] += uniq[:, 1].tolist()
-        hist_cols["count"] += np.bincount(inv, minlength=g).tolist()
+
+    def add_hist(stat: str, layers: np.ndarray | None, bins: np.ndarray, lo: int, hi: int) -> None:
+        lays, bs, counts = _bin_counts(bins, layers, lo, hi)
+        hist_cols["run_id"] += [run_id] * len(counts)
+        hist_cols["layer"] += lays.tolist()
+        hist_cols["stat"] += [stat] * len(counts)
+        hist_cols["bin"] += bs.tolist()
+        hist_cols["count"] += counts.tolist()
+
+    for stat, values in (("max_abs", c["max_abs"]), ("rel_l2", c["rel_l2"]), ("cos_diff", c["cos_diff"]),
+                         ("scaled", scaled)):
+        quarter = stat_bins(values)
+        add_hist(stat, None, quarter, BIN_MIN, BIN_MAX)
+        add_hist(stat + OCTAVE_SUFFIX, layer, octave_of(quarter), BIN_MIN // 4, BIN_MAX // 4)
+    if m["_oracle"].any():
+        sel = m["_oracle"]
+        add_hist("oracle_ratio", layer[sel], stat_bins(ratio[sel]), BIN_MIN, BIN_MAX)
     hists = _rows(hist_cols)
 
-    uniq_steps, inv = np.unique(c["step"], return_inverse=True)
-    inv = inv.reshape(-1)
-    g = len(uniq_steps)
+    grp = _group([c["step"]])
+    g = len(grp)
     steps = _rows({
         "run_id": [run_id] * g,
-        "step": uniq_steps.tolist(),
-        "n_calls": np.bincount(inv, minlength=g).tolist(),
-        "exceeded": (np.bincount(inv, weights=exceeded.astype(np.float64), minlength=g) > 0).astype(int).tolist(),
-        "first_ts": _group_reduce(np.fmin, inv, g, ts).tolist(),
+        "step": grp.keys[:, 0].tolist(),
+        "n_calls": np.bincount(grp.inv, minlength=g).tolist(),
+        "exceeded": (np.bincount(grp.inv, weights=exceeded.astype(np.float64), minlength=g) > 0).astype(int).tolist(),
+        "first_ts": grp.reduce(np.fmin, ts).tolist(),
     })
 
     rank0_layer0 = (c["rank"] == 0) & (layer == 0)
@@ -222,5 +285,4 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
         "first_sample_ts": float(ts.min()),
         "last_sample_ts": float(ts.max()),
     }
-    derived = {"scaled": scaled, "oracle_ratio": ratio}
-    return Deltas(cells, slots, hists, steps, run, exceeded, derived)
+    return Deltas(cells, slots, hists, steps, run, exceeded)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,18 @@ class CollectorSettings(BaseSettings):
     metrics_active_hours: float = Field(
         24.0, gt=0, description="runs with an ingest within this window are exported in /metrics"
     )
+    ingest_writer: Literal["auto", "process", "inline"] = Field(
+        "auto", description="where ingest's write transactions run: writer processes beside the HTTP process "
+                            "(auto: for a SQLite file) or inline in the request threads (auto: PostgreSQL)"
+    )
+    ingest_writer_processes: int = Field(1, ge=1, le=16, description="writer processes (ingest_writer=process)")
+
+    def writer_process(self) -> bool:
+        """Whether ingest writes go to a writer process (see shadowd.collector.writer)."""
+        if self.ingest_writer != "auto":
+            return self.ingest_writer == "process"
+        url = self.db_url
+        return url.startswith("sqlite") and ":memory:" not in url and url.rstrip("/") not in ("sqlite:", "sqlite")
 
     @field_validator("db_url")
     @classmethod

@@ -1,10 +1,12 @@
 """Writes: run registration and batch ingest, each one transaction.
 
-Ingest of a batch: look up the run, check layers and ranks against it, claim the
-(producer, seq) slot (a duplicate with the same digest is answered as such, a different
-digest is a conflict), bulk-insert the raw samples (executemany on SQLite, COPY on
-PostgreSQL), then apply the rollup deltas with atomic upserts. Any error rolls the whole
-batch back.
+Ingest of a batch: :meth:`Store.prepare` computes everything that needs no database (rollup
+deltas, the stored sample columns, on SQLite the INSERT); :meth:`Store.write` — in the request
+thread, or in a writer process (shadowd.collector.writer) — runs one transaction: look up the
+run, check layers and ranks against it, claim the (producer, seq) slot (a duplicate with the
+same digest is answered as such, a different digest is a conflict), bulk-insert the raw samples
+(executemany on SQLite, binary COPY on PostgreSQL), then apply the rollup deltas with atomic
+upserts. Any error rolls the whole batch back.
 """
 
 from __future__ import annotations
@@ -12,21 +14,24 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Table, case, func, literal, select, update
+from sqlalchemy import BigInteger, Connection, Engine, Float, Table, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 
+from shadowd.collector import histblob
 from shadowd.collector import tables as t
-from shadowd.collector.batch import BadBatch, ValidBatch
+from shadowd.collector.batch import DIGEST_PREFIX, BadBatch, ValidBatch
+from shadowd.collector.pgcopy import binary_copy
 from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, Rows, compute_deltas
 from shadowd.judge.policy import Policy
 from shadowd.wire import PRODUCER_STATS
 
-__all__ = ["Conflict", "IngestResult", "Store", "UnknownRun"]
+__all__ = ["SAMPLE_COLUMNS", "Conflict", "IngestResult", "Store", "UnknownRun", "WriteJob", "WriteOutcome"]
 
 
 class UnknownRun(LookupError):
@@ -47,6 +52,38 @@ class Conflict(Exception):
 
 
 @dataclass
+class WriteJob:
+    """A batch ready for its write transaction: everything computed, nothing written (picklable)."""
+
+    run_id: int
+    producer: str
+    seq: int
+    digest: str
+    n: int
+    #: the samples' values by column (see :func:`sample_values`; only layer and rank without raw samples)
+    cols: dict[str, Any]
+    deltas: Deltas
+    producer_stats: dict[str, int]
+    now: float
+    #: SQLite: the samples' INSERT (``{batch_id}`` in place of the batch id), the columns its rows bind, and
+    #: (in-process writes) the rows, built before the transaction
+    sample_sql: str | None = None
+    sample_cols: list[str] = field(default_factory=list)
+    sample_rows: list[tuple[Any, ...]] | None = None
+
+
+@dataclass
+class WriteOutcome:
+    """What the write transaction of a batch found."""
+
+    duplicate: bool
+    gap: int = 0
+    mode_override: str | None = None
+    #: the stored digest of this (producer, seq) when it is of the older kind and differs from ours
+    legacy_digest: str | None = None
+
+
+@dataclass
 class IngestResult:
     run_id: int
     accepted: int
@@ -59,11 +96,48 @@ class IngestResult:
 
 
 SAMPLE_COLUMNS = (
-    "run_id", "producer", "rank", "layer", "step", "call", "ts", "batch_size", "draft_tokens", "prefix_len",
-    "heads", "numel", "max_abs", "mean_abs", "max_rel", "rel_l2", "cos_diff", "out_scale", "nan_base",
-    "inf_base", "nan_cand", "inf_cand", "cand_nonfinite", "base_nonfinite", "hist", "error", "mode",
-    "oracle_cand_err", "oracle_base_err", "cand_us", "base_us", "new_requests", "exceeded",
+    "batch_id", "rank", "layer", "step", "call", "ts", "batch_size", "draft_tokens", "prefix_len", "heads",
+    "numel", "max_abs", "mean_abs", "max_rel", "rel_l2", "cos_diff", "out_scale", "nan_base", "inf_base",
+    "nan_cand", "inf_cand", "cand_nonfinite", "base_nonfinite", "hist", "error", "mode", "oracle_cand_err",
+    "oracle_base_err", "cand_us", "base_us", "new_requests", "exceeded",
 )
+# a batch's insert leaves out a column that holds the column's default in every row of the batch
+_ZERO_DEFAULT = frozenset(("nan_base", "inf_base", "nan_cand", "inf_cand", "cand_nonfinite", "base_nonfinite",
+                           "new_requests", "exceeded"))
+_NULL_DEFAULT = frozenset(("error", "mode", "oracle_cand_err", "oracle_base_err", "cand_us", "base_us"))
+# PostgreSQL wire type of each samples column (binary COPY); hist gets its width per batch
+_PG_KIND: dict[str, str] = {
+    name: "text" if name in ("error", "mode") else "hist" if name == "hist" else
+    "float8" if isinstance(t.samples.c[name].type, Float) else
+    "int8" if isinstance(t.samples.c[name].type, BigInteger) else "int4"
+    for name in SAMPLE_COLUMNS
+}
+
+
+def _pg_array(values: list[Any]) -> str:
+    """A PostgreSQL array literal of ints, floats (repr: exact; nan, inf) or strings (quoted)."""
+    if values and isinstance(values[0], str):
+        return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+    return "{" + ",".join(map(repr, values)) + "}"
+
+
+def sample_values(cols: dict[str, Any], exceeded: np.ndarray, stored_hist: np.ndarray | None = None
+                  ) -> dict[str, Any]:
+    """The values a batch writes into ``samples``, by column (all but ``batch_id``): numpy arrays, lists of
+    str/None, and ``hist`` in its stored form (shadowd.collector.histblob; ``stored_hist`` when already
+    encoded). Columns at their default in every row are left out."""
+    out: dict[str, Any] = {}
+    for name in SAMPLE_COLUMNS[1:]:
+        v = exceeded.astype(np.int32) if name == "exceeded" else cols[name]
+        if name in _ZERO_DEFAULT and not v.any():
+            continue
+        if name in _NULL_DEFAULT and (v.count(None) == len(v) if isinstance(v, list) else np.isnan(v).all()):
+            continue
+        if name == "hist":
+            v = stored_hist if stored_hist is not None else histblob.encode_rows(v)
+        out[name] = v
+    return out
+
 
 RUN_FIELDS = (
     "model", "num_layers", "tp_size", "gpu_name", "gpu_arch", "driver", "sglang_version", "candidate_name",
@@ -76,17 +150,22 @@ RUN_IDENTITY = ("num_layers", "tp_size", "candidate_fingerprint", "baseline_fing
 class Store:
     """All database access of the collector."""
 
-    def __init__(self, engine: Engine, policy: Policy, time_bucket_s: int = 60, store_samples: bool = True):
+    def __init__(self, engine: Engine, policy: Policy, time_bucket_s: int = 60, store_samples: bool = True,
+                 write_lock: Any = None, own_connection: bool = False):
         self.engine = engine
         self.policy = policy
         self.policy_hash = policy.hash()
         self.time_bucket_s = time_bucket_s
         self.store_samples = store_samples
         self.dialect = engine.dialect.name
-        self._sql_cache: dict[tuple[Any, ...], str] = {}
+        self._sql_cache: dict[tuple[Any, ...], Any] = {}
         # SQLite has one writer at a time: queue writers on a lock in the process instead of letting
         # them spin in SQLite's busy handler (which sleeps in growing steps); PostgreSQL needs none
-        self._write_lock = threading.Lock() if self.dialect == "sqlite" else None
+        # (the ingest writer processes share one lock across processes: ``write_lock``)
+        self._write_lock = (write_lock or threading.Lock()) if self.dialect == "sqlite" else None
+        self._driver_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        # a writer process keeps one SQLite connection for its ingest transactions (``own_connection``)
+        self._own = engine.raw_connection() if own_connection and self.dialect == "sqlite" else None
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[Connection]:
@@ -102,19 +181,28 @@ class Store:
     def _insert(self, table: Table) -> Any:
         return postgresql.insert(table) if self.dialect == "postgresql" else sqlite.insert(table)
 
-    def _greatest(self, a: Any, b: Any) -> Any:
-        return func.greatest(a, b) if self.dialect == "postgresql" else func.max(a, b)
-
-    def _least(self, a: Any, b: Any) -> Any:
-        return func.least(a, b) if self.dialect == "postgresql" else func.min(a, b)
-
-    def _upsert(self, conn: Connection, table: Table, rows: Rows, keys: tuple[str, ...],
+    def _upsert(self, cur: Any, table: Table, rows: Rows, keys: tuple[str, ...],
                 add: tuple[str, ...] = (), greatest: tuple[str, ...] = (), least: tuple[str, ...] = ()) -> None:
-        """INSERT ... ON CONFLICT DO UPDATE with increments, as one driver-level executemany."""
-        if not rows.rows:
+        """INSERT ... ON CONFLICT DO UPDATE with increments: on PostgreSQL one statement over unnest()ed
+        column arrays, on SQLite one driver-level executemany."""
+        if not len(rows):
             return
+        # a counter or maximum that is 0 in every row changes nothing (maxima are of values ≥ 0) and a
+        # new row gets 0 by default: leave it out of the statement
+        zero = {c for c, v in zip(rows.cols, rows.values, strict=True)
+                if (c in add or c in greatest) and table.c[c].server_default is not None and not any(v)}
+        if zero:
+            keep = [i for i, c in enumerate(rows.cols) if c not in zero]
+            rows = Rows(tuple(rows.cols[i] for i in keep), [rows.values[i] for i in keep])
+            add = tuple(c for c in add if c not in zero)
+            greatest = tuple(c for c in greatest if c not in zero)
         sql = self._upsert_sql(table, rows.cols, keys, add, greatest, least)
-        conn.exec_driver_sql(sql, rows.rows)
+        if self.dialect == "postgresql":
+            # each column as one array literal in text: PostgreSQL parses it in C, where adapting
+            # thousands of Python numbers to arrays would take longer than the upsert itself
+            cur.execute(sql, tuple(_pg_array(v) for v in rows.values))
+        else:
+            cur.executemany(sql, rows.rows)
 
     def _upsert_sql(self, table: Table, cols: tuple[str, ...], keys: tuple[str, ...], add: tuple[str, ...],
                     greatest: tuple[str, ...], least: tuple[str, ...]) -> str:
@@ -122,13 +210,17 @@ class Store:
         sql = self._sql_cache.get(cache_key)
         if sql is None:
             pg = self.dialect == "postgresql"
-            mark = "%s" if pg else "?"
             hi, lo = ("GREATEST", "LEAST") if pg else ("MAX", "MIN")
             q = ", ".join(f'"{c}"' for c in cols)
             sets = [f'"{c}" = {table.name}."{c}" + excluded."{c}"' for c in add]
             sets += [f'"{c}" = {hi}({table.name}."{c}", excluded."{c}")' for c in greatest]
             sets += [f'"{c}" = {lo}({table.name}."{c}", excluded."{c}")' for c in least]
-            sql = (f"INSERT INTO {table.name} ({q}) VALUES ({', '.join([mark] * len(cols))}) "
+            if pg:
+                arrays = ", ".join(f"%s::{table.c[c].type.compile(dialect=postgresql.dialect())}[]" for c in cols)
+                source = f"SELECT * FROM unnest({arrays})"
+            else:
+                source = f"VALUES ({', '.join(['?'] * len(cols))})"
+            sql = (f"INSERT INTO {table.name} ({q}) {source} "
                    f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(sets)}")
             self._sql_cache[cache_key] = sql
         return sql
@@ -168,147 +260,271 @@ class Store:
         return self.get_run(run_id)
 
     # ---- ingest ----------------------------------------------------------------------------------
-    def ingest(self, run_id: int, b: ValidBatch) -> IngestResult:
-        """Store one batch atomically; see the module docstring."""
-        now = time.time()
-        # everything that needs no database happens before the write transaction begins, so
-        # concurrent requests overlap their CPU work with another's writes
+    def ingest(self, run_id: int, b: ValidBatch, writer: Callable[[WriteJob], WriteOutcome] | None = None
+               ) -> IngestResult:
+        """Store one batch atomically; see the module docstring.
+
+        :meth:`prepare` does everything that needs no database (in the calling thread); the write
+        transaction runs in ``writer`` (the collector's writer process) or, without one, here.
+        """
+        job = self.prepare(run_id, b, ship=writer is not None)
+        out = writer(job) if writer is not None else self.write(job)
+        if out.legacy_digest is not None:
+            # the stored batch came from a collector that digested the encoded mapping: compare that way
+            if b.legacy_digest() != out.legacy_digest:
+                raise Conflict("seq", f"producer {b.producer} already sent batch {b.seq} with other content")
+            with self._writing() as conn:
+                conn.execute(update(t.runs).where(t.runs.c.id == run_id)
+                             .values(n_duplicates=t.runs.c.n_duplicates + 1))
+            return IngestResult(run_id, 0, True, mode_override=out.mode_override)
+        if out.duplicate:
+            return IngestResult(run_id, 0, True, mode_override=out.mode_override)
+        d = job.deltas
+        return IngestResult(run_id, b.n, False, int(d.exceeded.sum()), d.run["n_cand_nonfinite"], d, out.gap,
+                            out.mode_override)
+
+    def prepare(self, run_id: int, b: ValidBatch, ship: bool = False) -> WriteJob:
+        """Everything of a batch's write that needs no database: rollup deltas, the sample columns and, on
+        SQLite, the samples' INSERT and rows — unless the job is shipped to a writer process (``ship``):
+        a pipe moves numpy columns far more cheaply than Python objects, and building the rows there costs
+        the writer no more than taking them apart would."""
         d = compute_deltas(run_id, b, self.policy, self.time_bucket_s)
-        rows = self._sample_rows(run_id, b, d.exceeded) if self.store_samples else []
+        cols = (sample_values(b.cols, d.exceeded, b.stored_hist) if self.store_samples
+                else {"layer": b.cols["layer"], "rank": b.cols["rank"]})
+        job = WriteJob(run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n=b.n, cols=cols,
+                       deltas=d, producer_stats=b.producer_stats, now=time.time())
+        if self.store_samples and self.dialect != "postgresql":
+            job.sample_sql, job.sample_cols = self._sqlite_plan(cols, b.n)
+            job.cols = {k: cols[k] for k in {"layer", "rank", *job.sample_cols}}
+            if not ship:  # in-process writes: the rows too are built outside the write lock
+                job.sample_rows = self._sqlite_rows(job.cols, job.sample_cols)
+        return job
+
+    def write(self, job: WriteJob) -> WriteOutcome:
+        """The write transaction of one prepared batch (one transaction; any error rolls it all back).
+
+        Its statements are plain SQL on the driver (cached per dialect): this is the one hot write path.
+        """
+        run_id, now, d = job.run_id, job.now, job.deltas
+        q = self._hot_sql()
+        if self._own is not None:
+            return self._write_own(job, q)
         with self._writing() as conn:
-            run = conn.execute(
-                select(t.runs.c.num_layers, t.runs.c.tp_size, t.runs.c.policy_hash, t.runs.c.mode_override)
-                .where(t.runs.c.id == run_id)
-            ).first()
-            if run is None:
-                raise UnknownRun(run_id)
-            num_layers, tp_size, run_policy, mode_override = run
-            layer, rank = b.cols["layer"], b.cols["rank"]
-            if (bad := layer >= num_layers).any():
-                i = int(np.flatnonzero(bad)[0])
-                raise BadBatch(f"samples.layer[{i}]", f"{layer[i]} is not below the run's num_layers {num_layers}")
-            if (bad := rank >= tp_size).any():
-                i = int(np.flatnonzero(bad)[0])
-                raise BadBatch(f"samples.rank[{i}]", f"{rank[i]} is not below the run's tp_size {tp_size}")
+            # every statement on one DB-API cursor of the transaction's connection (no per-statement
+            # SQLAlchemy result objects); a driver error is raised as SQLAlchemy's DBAPIError (503)
+            cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                return self._write(cur, job, q, run_id, now, d)
+            except self._driver_error as exc:
+                raise DBAPIError(None, None, exc) from exc
+            finally:
+                cur.close()
 
-            claim = self._insert(t.batches).values(
-                run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n_samples=b.n, received_at=now
-            ).on_conflict_do_nothing()
-            if conn.execute(claim.returning(t.batches.c.seq)).first() is None:
-                stored = conn.execute(
-                    select(t.batches.c.digest).where(
-                        (t.batches.c.run_id == run_id) & (t.batches.c.producer == b.producer)
-                        & (t.batches.c.seq == b.seq)
-                    )
-                ).scalar_one()
-                if stored != b.digest:
-                    raise Conflict("seq", f"producer {b.producer} already sent batch {b.seq} with other content")
-                conn.execute(update(t.runs).where(t.runs.c.id == run_id).values(n_duplicates=t.runs.c.n_duplicates + 1))
-                return IngestResult(run_id, 0, True, mode_override=mode_override)
+    def _write_own(self, job: WriteJob, q: dict[str, str]) -> WriteOutcome:
+        """:meth:`write` on the store's own SQLite connection (a writer process): BEGIN IMMEDIATE ... COMMIT
+        by hand, under the shared write lock."""
+        assert self._own is not None and self._write_lock is not None
+        con: Any = self._own.driver_connection
+        with self._write_lock:
+            cur = con.cursor()
+            try:
+                cur.execute("BEGIN IMMEDIATE")
+                try:
+                    out = self._write(cur, job, q, job.run_id, job.now, job.deltas)
+                except BaseException:
+                    con.rollback()
+                    raise
+                cur.execute("COMMIT")
+                return out
+            except self._driver_error as exc:
+                if con.in_transaction:
+                    con.rollback()
+                raise DBAPIError(None, None, exc) from exc
+            finally:
+                cur.close()
 
-            if rows:
-                self._insert_samples(conn, rows)
-            self._upsert(conn, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
-                         greatest=(*MAXES, "last_ts"), least=("first_ts",))
-            self._upsert(conn, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
-            self._upsert(conn, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
-            self._upsert(conn, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
-                         least=("first_ts",))
-            r = d.run
-            runs = t.runs.c
-            policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
-            conn.execute(
-                update(t.runs).where(runs.id == run_id).values(
-                    n_samples=runs.n_samples + r["n_samples"],
-                    n_batches=runs.n_batches + 1,
-                    n_errors=runs.n_errors + r["n_errors"],
-                    n_cand_nonfinite=runs.n_cand_nonfinite + r["n_cand_nonfinite"],
-                    n_base_nonfinite=runs.n_base_nonfinite + r["n_base_nonfinite"],
-                    n_exceed=runs.n_exceed + r["n_exceed"],
-                    n_requests=runs.n_requests + r["n_requests"],
-                    n_oracle=runs.n_oracle + r["n_oracle"],
-                    first_sample_ts=func.coalesce(self._least(runs.first_sample_ts, r["first_sample_ts"]),
-                                                  r["first_sample_ts"]),
-                    last_sample_ts=func.coalesce(self._greatest(runs.last_sample_ts, r["last_sample_ts"]),
-                                                 r["last_sample_ts"]),
-                    last_ingest_at=now,
-                    policy_hash=policy_hash,
-                )
-            )
-            gap = self._record_producer(conn, run_id, b, int(rank[0]), now)
-        return IngestResult(run_id, b.n, False, int(d.exceeded.sum()), r["n_cand_nonfinite"], d, gap, mode_override)
+    def _write(self, cur: Any, job: WriteJob, q: dict[str, str], run_id: int, now: float, d: Deltas
+               ) -> WriteOutcome:
+        cur.execute(q["run"], (run_id,))
+        run = cur.fetchone()
+        if run is None:
+            raise UnknownRun(run_id)
+        num_layers, tp_size, run_policy, mode_override = run
+        layer, rank = job.cols["layer"], job.cols["rank"]
+        if (bad := layer >= num_layers).any():
+            i = int(np.flatnonzero(bad)[0])
+            raise BadBatch(f"samples.layer[{i}]", f"{layer[i]} is not below the run's num_layers {num_layers}")
+        if (bad := rank >= tp_size).any():
+            i = int(np.flatnonzero(bad)[0])
+            raise BadBatch(f"samples.rank[{i}]", f"{rank[i]} is not below the run's tp_size {tp_size}")
 
-    def _record_producer(self, conn: Connection, run_id: int, b: ValidBatch, rank: int, now: float) -> int:
-        p = t.producers.c
-        stats = {k: b.producer_stats.get(k, 0) for k in PRODUCER_STATS}
-        stmt = self._insert(t.producers).values(
-            run_id=run_id, producer=b.producer, rank=rank, max_seq=b.seq, batches=1, gaps=b.seq, samples=b.n,
-            first_seen=now, last_seen=now, **stats,
-        )
-        ex = stmt.excluded
-        # gaps: a jump past max_seq + 1 opens gaps; a late batch below max_seq fills one
-        gaps = case(
-            (ex.max_seq > p.max_seq + 1, p.gaps + ex.max_seq - p.max_seq - 1),
-            (ex.max_seq < p.max_seq, self._greatest(p.gaps - 1, literal(0))),
-            else_=p.gaps,
-        )
-        set_: dict[str, Any] = {
-            "gaps": gaps,
-            "max_seq": self._greatest(p.max_seq, ex.max_seq),
-            "batches": p.batches + 1,
-            "samples": p.samples + ex.samples,
-            "last_seen": ex.last_seen,
-            "rank": ex.rank,
-        }
-        # figures a producer reports are cumulative or sticky (drops, errors, fallback, spec counters):
-        # keep the largest, so a late re-delivered batch cannot move them back; the spool depth is a
-        # level, taken from the newest batch only
-        for k in stats:
-            if k not in b.producer_stats:
-                continue
-            if k == "spool_depth":
-                set_[k] = case((ex.max_seq >= p.max_seq, ex[k]), else_=p[k])
-            else:
-                set_[k] = self._greatest(p[k], ex[k])
-        conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "producer"], set_=set_))
-        got = conn.execute(
-            select(p.gaps).where((p.run_id == run_id) & (p.producer == b.producer))
-        ).scalar_one()
-        return int(got)
+        r = d.run
+        cur.execute(q["claim"], (run_id, job.producer, job.seq, job.digest, job.n, now, r["last_sample_ts"]))
+        claimed = cur.fetchone()
+        if claimed is None:
+            cur.execute(q["digest"], (run_id, job.producer, job.seq))
+            stored = cur.fetchone()[0]
+            if stored != job.digest:
+                if not stored.startswith(DIGEST_PREFIX):
+                    return WriteOutcome(False, mode_override=mode_override, legacy_digest=stored)
+                raise Conflict("seq", f"producer {job.producer} already sent batch {job.seq} with other content")
+            cur.execute(q["duplicate"], (run_id,))
+            return WriteOutcome(True, mode_override=mode_override)
 
-    def _sample_rows(self, run_id: int, b: ValidBatch, exceeded: np.ndarray) -> list[tuple[Any, ...]]:
-        c = b.cols
-        n = b.n
-        buf = np.ascontiguousarray(c["hist"], dtype="<i8").tobytes()
-        w = len(buf) // n if n else 0
-        columns: list[list[Any]] = [
-            [run_id] * n, [b.producer] * n, c["rank"].tolist(), c["layer"].tolist(), c["step"].tolist(),
-            c["call"].tolist(), c["ts"].tolist(), c["batch_size"].tolist(), c["draft_tokens"].tolist(),
-            c["prefix_len"].tolist(), c["heads"].tolist(), c["numel"].tolist(), c["max_abs"].tolist(),
-            c["mean_abs"].tolist(), c["max_rel"].tolist(), c["rel_l2"].tolist(), c["cos_diff"].tolist(),
-            c["out_scale"].tolist(), c["nan_base"].tolist(), c["inf_base"].tolist(), c["nan_cand"].tolist(),
-            c["inf_cand"].tolist(), c["cand_nonfinite"].tolist(), c["base_nonfinite"].tolist(),
-            [buf[i:i + w] for i in range(0, len(buf), w)], c["error"], c["mode"], c["oracle_cand_err"].tolist(),
-            c["oracle_base_err"].tolist(), c["cand_us"].tolist(), c["base_us"].tolist(),
-            c["new_requests"].tolist(), exceeded.astype(np.int64).tolist(),
-        ]
-        return list(zip(*columns, strict=True))
+        if self.store_samples:
+            self._insert_samples(cur, job, int(claimed[0]))
+        self._upsert(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
+                     greatest=(*MAXES, "last_ts"), least=("first_ts",))
+        self._upsert(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
+        self._upsert(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
+        self._upsert(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
+                     least=("first_ts",))
+        policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
+        cur.execute(q["run_update"], (
+            r["n_samples"], r["n_errors"], r["n_cand_nonfinite"], r["n_base_nonfinite"], r["n_exceed"],
+            r["n_requests"], r["n_oracle"], r["first_sample_ts"], r["first_sample_ts"], r["last_sample_ts"],
+            r["last_sample_ts"], now, policy_hash, run_id))
+        gap = self._record_producer(cur, job, int(rank[0]))
+        return WriteOutcome(False, gap=gap, mode_override=mode_override)
 
-    def _insert_samples(self, conn: Connection, rows: list[tuple[Any, ...]]) -> None:
-        names = ", ".join(f'"{name}"' for name in SAMPLE_COLUMNS)
+    def _hot_sql(self) -> dict[str, str]:
+        sql = self._sql_cache.get(("hot",))
+        if sql is None:
+            m = "%s" if self.dialect == "postgresql" else "?"
+            lo, hi = ("LEAST", "GREATEST") if self.dialect == "postgresql" else ("MIN", "MAX")
+            sql = {
+                "run": f"SELECT num_layers, tp_size, policy_hash, mode_override FROM runs WHERE id = {m}",
+                "claim": "INSERT INTO batches (run_id, producer, seq, digest, n_samples, received_at, max_ts) "
+                         f"VALUES ({m}, {m}, {m}, {m}, {m}, {m}, {m}) "
+                         "ON CONFLICT (run_id, producer, seq) DO NOTHING RETURNING id",
+                "digest": f"SELECT digest FROM batches WHERE run_id = {m} AND producer = {m} AND seq = {m}",
+                "duplicate": f"UPDATE runs SET n_duplicates = n_duplicates + 1 WHERE id = {m}",
+                "run_update": (
+                    f"UPDATE runs SET n_samples = n_samples + {m}, n_batches = n_batches + 1, "
+                    f"n_errors = n_errors + {m}, n_cand_nonfinite = n_cand_nonfinite + {m}, "
+                    f"n_base_nonfinite = n_base_nonfinite + {m}, n_exceed = n_exceed + {m}, "
+                    f"n_requests = n_requests + {m}, n_oracle = n_oracle + {m}, "
+                    f"first_sample_ts = COALESCE({lo}(first_sample_ts, {m}), {m}), "
+                    f"last_sample_ts = COALESCE({hi}(last_sample_ts, {m}), {m}), "
+                    f"last_ingest_at = {m}, policy_hash = {m} WHERE id = {m}"
+                ),
+            }
+            self._sql_cache[("hot",)] = sql
+        return sql
+
+    def _record_producer(self, cur: Any, job: WriteJob, rank: int) -> int:
+        """Upsert the producer's row; returns its sequence gaps."""
+        reported = tuple(k for k in PRODUCER_STATS if k in job.producer_stats)
+        key = ("producer", reported)
+        sql = self._sql_cache.get(key)
+        if sql is None:
+            m = "%s" if self.dialect == "postgresql" else "?"
+            hi = "GREATEST" if self.dialect == "postgresql" else "MAX"
+            cols = ("run_id", "producer", "rank", "max_seq", "batches", "gaps", "samples", "first_seen", "last_seen",
+                    *PRODUCER_STATS)
+            p, x = "producers", "excluded"
+            # gaps: a jump past max_seq + 1 opens gaps; a late batch below max_seq fills one
+            sets = [
+                f"gaps = CASE WHEN {x}.max_seq > {p}.max_seq + 1 THEN {p}.gaps + {x}.max_seq - {p}.max_seq - 1 "
+                f"WHEN {x}.max_seq < {p}.max_seq THEN {hi}({p}.gaps - 1, 0) ELSE {p}.gaps END",
+                f"max_seq = {hi}({p}.max_seq, {x}.max_seq)",
+                f"batches = {p}.batches + 1",
+                f"samples = {p}.samples + {x}.samples",
+                f"last_seen = {x}.last_seen",
+                f"rank = {x}.rank",
+            ]
+            # figures a producer reports are cumulative or sticky (drops, errors, fallback, spec counters):
+            # keep the largest, so a late re-delivered batch cannot move them back; the spool depth is a
+            # level, taken from the newest batch only
+            for k in reported:
+                if k == "spool_depth":
+                    sets.append(f"{k} = CASE WHEN {x}.max_seq >= {p}.max_seq THEN {x}.{k} ELSE {p}.{k} END")
+                else:
+                    sets.append(f"{k} = {hi}({p}.{k}, {x}.{k})")
+            sql = (f"INSERT INTO producers ({', '.join(cols)}) VALUES ({', '.join([m] * len(cols))}) "
+                   f"ON CONFLICT (run_id, producer) DO UPDATE SET {', '.join(sets)} RETURNING gaps")
+            self._sql_cache[key] = sql
+        now = job.now
+        stats = [job.producer_stats.get(k, 0) for k in PRODUCER_STATS]
+        cur.execute(sql, (job.run_id, job.producer, rank, job.seq, 1, job.seq, job.n, now, now, *stats))
+        return int(cur.fetchone()[0])
+
+    def sample_insert(self, job: WriteJob, batch_id: int) -> tuple[str, Any]:
+        """The statement and data that store the samples of ``job``: on SQLite an INSERT and one tuple per
+        sample (executemany), on PostgreSQL a ``COPY ... (FORMAT BINARY)`` and its stream."""
+        c, n = job.cols, job.n
         if self.dialect == "postgresql":
-            raw = conn.connection.driver_connection
-            with raw.cursor() as cur, cur.copy(f"COPY samples ({names}) FROM STDIN") as copy:  # type: ignore[union-attr]
-                for row in rows:
-                    copy.write_row(row)
+            names = ("batch_id", *c)
+            quoted = ", ".join(f'"{name}"' for name in names)
+            kinds = [(name, f"bytea:{c['hist'].shape[1]}" if name == "hist" else _PG_KIND[name]) for name in names]
+            payload = binary_copy(kinds, {**c, "batch_id": np.full(n, batch_id, dtype=np.int64)}, n)
+            return f"COPY samples ({quoted}) FROM STDIN (FORMAT BINARY)", payload
+        if job.sample_sql is None:
+            job.sample_sql, job.sample_cols = self._sqlite_plan(c, n)
+        if job.sample_rows is None:
+            job.sample_rows = self._sqlite_rows(c, job.sample_cols)
+        return job.sample_sql.replace("{batch_id}", str(int(batch_id))), job.sample_rows
+
+    @staticmethod
+    def _sqlite_plan(c: dict[str, Any], n: int) -> tuple[str, list[str]]:
+        """The samples' INSERT (``{batch_id}`` in place of the batch id) and the columns its rows bind.
+
+        A number that is the same in every row of the batch (mostly the rank and heads) is written into
+        the statement once instead of being bound 4 000 times."""
+        literals = {"batch_id": "{batch_id}"}
+        bound: list[str] = []
+        for name, v in c.items():
+            if name != "hist" and not isinstance(v, list) and n and (v == v[0]).all() and np.isfinite(v[0]):
+                literals[name] = repr(int(v[0]) if v.dtype.kind in "iu" else float(v[0]))
+            else:
+                bound.append(name)
+        marks = [*literals.values(), *["?"] * len(bound)]
+        quoted = ", ".join(f'"{name}"' for name in (*literals, *bound))
+        return f"INSERT INTO samples ({quoted}) VALUES ({', '.join(marks)})", bound
+
+    @staticmethod
+    def _sqlite_rows(c: dict[str, Any], bound: list[str]) -> list[tuple[Any, ...]]:
+        """One tuple per sample of the ``bound`` columns (``hist``: one bytes per row, made by numpy)."""
+        columns: list[list[Any]] = []
+        for name in bound:
+            v = c[name]
+            if name == "hist":
+                columns.append(v.view(f"V{v.shape[1]}").reshape(-1).tolist())
+            else:
+                columns.append(v if isinstance(v, list) else v.tolist())
+        return list(zip(*columns, strict=False))  # equal lengths: validated
+
+    def _insert_samples(self, cur: Any, job: WriteJob, batch_id: int) -> None:
+        sql, data = self.sample_insert(job, batch_id)
+        if self.dialect == "postgresql":
+            with cur.copy(sql) as copy:
+                copy.write(data)
         else:
-            marks = ", ".join("?" * len(SAMPLE_COLUMNS))
-            conn.exec_driver_sql(f"INSERT INTO samples ({names}) VALUES ({marks})", rows)
+            cur.executemany(sql, data)
+            # the rows took consecutive rowids (one writer): retention deletes the batch by this range
+            cur.execute("UPDATE batches SET last_id = last_insert_rowid(), first_id = last_insert_rowid() - ? + 1 "
+                        "WHERE id = ?", (job.n, batch_id))
 
     # ---- retention -------------------------------------------------------------------------------
     def prune_samples(self, older_than: float) -> int:
-        """Delete raw samples with ts before ``older_than`` (rollups are kept)."""
+        """Delete the raw samples of batches whose newest sample is before ``older_than`` (rollups are
+        kept), and the batch rows received before it too (duplicate detection forgets them)."""
+        b = t.batches.c
+        old = (b.max_ts < older_than)
         with self._writing() as conn:
-            res = conn.execute(t.samples.delete().where(t.samples.c.ts < older_than))
-            conn.execute(t.batches.delete().where(t.batches.c.received_at < older_than))
-        return int(res.rowcount or 0)
+            if self.dialect == "postgresql":
+                res = conn.execute(t.samples.delete().where(
+                    t.samples.c.batch_id.in_(select(b.id).where(old).scalar_subquery())))
+                deleted = int(res.rowcount or 0)
+            else:
+                deleted = 0
+                ranges = conn.execute(select(b.id, b.first_id, b.last_id).where(old & b.first_id.is_not(None))).all()
+                for batch_id, first, last in ranges:
+                    res = conn.exec_driver_sql(
+                        "DELETE FROM samples WHERE id BETWEEN ? AND ? AND batch_id = ?", (first, last, batch_id))
+                    deleted += int(res.rowcount or 0)
+                if ranges:
+                    conn.execute(update(t.batches).where(old & b.first_id.is_not(None))
+                                 .values(first_id=None, last_id=None))
+            conn.execute(t.batches.delete().where(old & (b.received_at < older_than)))
+        return deleted

@@ -9,6 +9,8 @@ collectors writing into one PostgreSQL lose nothing and no summary scans raw sam
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -22,6 +24,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
 )
 
 __all__ = [
@@ -39,6 +42,9 @@ __all__ = [
 ]
 
 metadata = MetaData()
+
+# PostgreSQL: tables updated by every batch keep half of each page free, so updates stay on the page
+_HOT: dict[str, Any] = {"postgresql_with": {"fillfactor": 50}}
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -86,6 +92,7 @@ runs = Table(
     Column("first_sample_ts", Float, nullable=True),
     Column("last_sample_ts", Float, nullable=True),
     Column("last_ingest_at", Float, nullable=True),
+    **_HOT
 )
 
 producers = Table(
@@ -107,27 +114,47 @@ producers = Table(
     _counter("device_errors"),
     *(_counter(f"spec_{what}_{mode}") for mode in ("off", "validate", "on")
       for what in ("accept_tokens", "req_steps", "passes")),
-    sqlite_with_rowid=False
+    sqlite_with_rowid=False,
+    **_HOT
 )
 
+# one row per stored batch: the (producer, seq) claim for duplicate detection, and what its samples
+# have in common (run, producer). ``max_ts`` is its newest sample time: retention deletes a batch's
+# samples once it is older than the window. On SQLite ``first_id``..``last_id`` is the rowid range of
+# its samples (one transaction inserts them one after another), which retention deletes by; NULL once
+# deleted. Rows with seq -1 stand for the samples stored before migration 0003.
 batches = Table(
     "batches",
-    metadata,
-    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
-    Column("producer", String(64), primary_key=True),
-    Column("seq", BigInteger, primary_key=True),
-    Column("digest", String(64), nullable=False),
-    Column("n_samples", Integer, nullable=False),
-    Column("received_at", Float, nullable=False),
-    sqlite_with_rowid=False
-)
-
-samples = Table(
-    "samples",
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("producer", String(64), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("digest", String(64), nullable=False),
+    Column("n_samples", Integer, nullable=False),
+    Column("received_at", Float, nullable=False),
+    Column("max_ts", Float, nullable=False),
+    Column("first_id", BigInteger, nullable=True),
+    Column("last_id", BigInteger, nullable=True),
+    UniqueConstraint("run_id", "producer", "seq", name="uq_batches_run_producer_seq"),
+)
+
+
+def _count(name: str, kind: type[Integer] = BigInteger) -> Column[int]:
+    return Column(name, kind, nullable=False, server_default="0")
+
+
+# raw samples: one row per (run, rank, layer, call). Run and producer are the batch's
+# (``batch_id`` references batches.id; no foreign key, so that inserting a row checks nothing).
+# Counts default to 0 and optional values to NULL: ingest leaves out a column that is 0 / absent
+# in the whole batch. ``hist`` is the |diff| histogram in the form of shadowd.collector.histblob.
+# No secondary index on SQLite (retention deletes rowid ranges, see ``batches``); PostgreSQL, whose
+# ids interleave between concurrent collectors, indexes ``batch_id`` instead.
+samples = Table(
+    "samples",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("batch_id", BigInteger, nullable=False),
     Column("rank", Integer, nullable=False),
     Column("layer", Integer, nullable=False),
     Column("step", BigInteger, nullable=False),
@@ -145,22 +172,22 @@ samples = Table(
     Column("rel_l2", Float),
     Column("cos_diff", Float),
     Column("out_scale", Float),
-    Column("nan_base", BigInteger, nullable=False),
-    Column("inf_base", BigInteger, nullable=False),
-    Column("nan_cand", BigInteger, nullable=False),
-    Column("inf_cand", BigInteger, nullable=False),
-    Column("cand_nonfinite", BigInteger, nullable=False),
-    Column("base_nonfinite", BigInteger, nullable=False),
-    Column("hist", LargeBinary, nullable=False),  # HIST_BINS little-endian int64 counts
+    _count("nan_base"),
+    _count("inf_base"),
+    _count("nan_cand"),
+    _count("inf_cand"),
+    _count("cand_nonfinite"),
+    _count("base_nonfinite"),
+    Column("hist", LargeBinary, nullable=False),
     Column("error", String(200)),
     Column("mode", String(16)),
     Column("oracle_cand_err", Float),
     Column("oracle_base_err", Float),
     Column("cand_us", Float),
     Column("base_us", Float),
-    Column("new_requests", Integer),
-    Column("exceeded", Integer, nullable=False),
-    Index("ix_samples_ts", "ts"),
+    Column("new_requests", Integer, nullable=True, server_default="0"),
+    _count("exceeded", Integer),
+    Index("ix_samples_batch", "batch_id").ddl_if(dialect="postgresql"),
 )
 
 # shape-bucket columns shared by ``cells``
@@ -192,7 +219,8 @@ cells = Table(
     *(_fmax(c) for c in _cell_maxes),
     Column("first_ts", Float, nullable=False),
     Column("last_ts", Float, nullable=False),
-    sqlite_with_rowid=False
+    sqlite_with_rowid=False,
+    **_HOT
 )
 
 timeslots = Table(
@@ -204,7 +232,8 @@ timeslots = Table(
     *(_counter(c) for c in _cell_counters),
     *(_fmax(c) for c in _cell_sums),
     *(_fmax(c) for c in _cell_maxes),
-    sqlite_with_rowid=False
+    sqlite_with_rowid=False,
+    **_HOT
 )
 
 # histograms of per-call statistics, quarter-octave bins (see rollups.stat_bins)
@@ -216,7 +245,8 @@ hists = Table(
     Column("stat", String(16), primary_key=True),
     Column("bin", Integer, primary_key=True),
     _counter("count"),
-    sqlite_with_rowid=False
+    sqlite_with_rowid=False,
+    **_HOT
 )
 
 steps = Table(
@@ -227,7 +257,8 @@ steps = Table(
     _counter("n_calls"),
     Column("exceeded", Integer, nullable=False, server_default="0"),
     Column("first_ts", Float, nullable=False),
-    sqlite_with_rowid=False
+    sqlite_with_rowid=False,
+    **_HOT
 )
 
 evaluations = Table(

@@ -4,8 +4,10 @@
   else (a full queue drops the sample and counts it). It never touches the network or disk.
 * One daemon thread takes samples off the queue (and off any registered *pollers*, e.g. the
   GPU ring drainer), builds batches of up to ``batch_max`` samples in the layout of
-  ``shadowd.wire`` (producer id random per process, seq 0, 1, 2, ...), and posts them as
-  msgpack through :class:`shadowd.client.CollectorClient`.
+  ``shadowd.wire`` (producer id random per process, seq 0, 1, 2, ...) with every numeric
+  column packed (little-endian int64 / float64, ``hist`` n × HIST_BINS int64: one msgpack bin
+  each, which the collector reads with one ``numpy.frombuffer``), and posts them as msgpack
+  through :class:`shadowd.client.CollectorClient`.
 * Collector down, slow or 5xx → the batch goes to the bounded on-disk :class:`Spool`;
   while the spool is non-empty new batches queue behind it, so delivery stays in order;
   the spool is replayed oldest first once the collector answers (with backoff meanwhile).
@@ -31,7 +33,7 @@ from typing import Any
 
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
 from shadowd.hook.spool import Spool
-from shadowd.wire import COLUMNS, encode_msgpack
+from shadowd.wire import COLUMNS, encode_msgpack, pack_column, pack_hist
 
 __all__ = ["Streamer", "build_batch"]
 
@@ -41,9 +43,12 @@ _FLOAT_COLS = {c.name for c in COLUMNS if c.kind == "float"}
 
 
 def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
-                producer_stats: dict[str, int] | None = None) -> dict[str, Any]:
-    """A wire batch (``shadowd.wire``) of ``samples`` (dicts keyed by column name)."""
-    cols: dict[str, list[Any]] = {}
+                producer_stats: dict[str, int] | None = None, packed: bool = True) -> dict[str, Any]:
+    """A wire batch (``shadowd.wire``) of ``samples`` (dicts keyed by column name).
+
+    Numeric columns are packed (``packed=False``: lists, the same content for the collector).
+    """
+    cols: dict[str, Any] = {}
     for col in COLUMNS:
         if col.required:
             vals = [s[col.name] for s in samples]
@@ -55,7 +60,12 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
             vals = [None if v is None else float(v) for v in vals]
             if not col.nan_ok:
                 vals = [None if v is not None and not math.isfinite(v) else v for v in vals]
-        cols[col.name] = vals
+        if packed and col.name == "hist":
+            cols[col.name] = pack_hist(vals)
+        elif packed and col.kind in ("int", "float"):
+            cols[col.name] = pack_column(col.kind, vals)
+        else:
+            cols[col.name] = vals
     batch: dict[str, Any] = {"producer": producer, "seq": seq, "samples": cols}
     if producer_stats:
         batch["producer_stats"] = producer_stats

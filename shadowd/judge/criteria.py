@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from shadowd.judge.bins import count_above, hist_quantile_upper
+from shadowd.judge.bins import OCTAVE_SUFFIX, RUN_WIDE, count_above, hist_quantile_upper
 from shadowd.judge.inputs import RunRollups
 from shadowd.judge.policy import Policy
 from shadowd.judge.report import FAIL, INSUFFICIENT, PASS, Criterion, bucket_label
@@ -174,23 +174,39 @@ def oracle(r: RunRollups, p: Policy) -> Criterion:
 
 # ---- exceedance rate ---------------------------------------------------------------------------
 def _hist_bound(r: RunRollups, p: Policy) -> tuple[int, int]:
-    """(lower, upper) bound on exceeding steps under ``p`` from the per-call histograms alone."""
+    """(lower, upper) bound on exceeding steps under ``p`` from the per-call histograms alone.
+
+    Possibly exceeding calls are counted from the finest histogram of each statistic (run-wide
+    quarter-octave when there is one, else per layer); surely exceeding ones per layer (a layer's
+    calls of one step are at most tp_size) and run-wide (at most tp_size × num_layers per step).
+    """
     thresholds = {"rel_l2": p.tol("rel_l2_max"), "cos_diff": p.tol("cos_diff_max"),
                   "scaled": p.tol("scaled_max_abs_max")}
     per_layer = fold_layers(r.cells)
     calls_per_step = max(1, int(_f(r.run, "tp_size")) or 1)
+    num_layers = int(_f(r.run, "num_layers"))
     hard = int(_f(r.run, "n_errors") + _f(r.run, "n_cand_nonfinite"))
     possible = hard
     sure_steps = 1 if hard else 0
+    run_wide = {stat for (layer, stat) in r.hists if layer == RUN_WIDE}
+    explained_all = sum(a["n_base_nonfinite"] for a in per_layer.values())
     for (layer, stat), h in r.hists.items():
-        if stat in thresholds:
-            sure, maybe = count_above(h, thresholds[stat])
-        elif stat == "oracle_ratio":
-            sure, _ = count_above(h, max(p.oracle_k, 1.0))
-            _, maybe = count_above(h, min(p.oracle_k, 1.0))
+        name, per_octave = (stat[:-len(OCTAVE_SUFFIX)], 1) if stat.endswith(OCTAVE_SUFFIX) else (stat, 4)
+        if name in thresholds:
+            sure, maybe = count_above(h, thresholds[name], per_octave)
+        elif name == "oracle_ratio":
+            sure, _ = count_above(h, max(p.oracle_k, 1.0), per_octave)
+            _, maybe = count_above(h, min(p.oracle_k, 1.0), per_octave)
         else:
             continue
-        possible += maybe
+        if layer == RUN_WIDE:
+            possible += maybe
+            if num_layers > 0:
+                per_step = calls_per_step * num_layers
+                sure_steps = max(sure_steps, math.ceil(max(0.0, sure - explained_all) / per_step))
+            continue
+        if name not in run_wide:
+            possible += maybe
         explained = per_layer[layer]["n_base_nonfinite"] if layer in per_layer else 0.0
         sure_steps = max(sure_steps, math.ceil(max(0.0, sure - explained) / calls_per_step))
     n = r.steps.total

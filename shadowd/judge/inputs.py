@@ -42,7 +42,10 @@ class RunRollups:
       max_oracle_cand, max_oracle_base, max_oracle_ratio; first_ts, last_ts.
     - ``slots``: rows of rollup_time — per (layer, t) with the same counters/sums/maxima.
     - ``hists``: {(layer, stat): {bin: count}} with stat in max_abs, rel_l2, cos_diff, scaled,
-      oracle_ratio (quarter-octave bins, see shadowd.collector.rollups.stat_bins).
+      oracle_ratio (quarter-octave bins, see shadowd.judge.bins); a stat ending in ``:oct`` holds
+      octave bins, and layer -1 (``RUN_WIDE``) all layers together. The collector stores run-wide
+      quarter-octave and per-layer octave histograms of the four statistics, and per-layer
+      quarter-octave ones of the oracle ratio.
     - ``steps``: verify-step counts.
     - ``now``: the evaluation time (unix seconds).
     """

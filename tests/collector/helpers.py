@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from sqlalchemy import create_engine, func, select
@@ -9,7 +10,7 @@ from sqlalchemy import create_engine, func, select
 from shadowd.collector import tables as t
 from shadowd.wire import MSGPACK, encode_msgpack
 
-__all__ = ["count_rows", "post_msgpack", "register"]
+__all__ = ["count_rows", "post_msgpack", "register", "sample_rows"]
 
 
 def post_msgpack(client: Any, run_id: int, batch: dict[str, Any], **headers: str) -> Any:
@@ -24,15 +25,39 @@ def register(client: Any, body: dict[str, Any], **headers: str) -> int:
 
 
 def count_rows(db_url: str, table: Any, **where: Any) -> int:
+    """Rows of ``table`` matching ``where``; raw samples are matched on their batch's run and producer."""
     engine = create_engine(db_url)
     try:
         with engine.connect() as conn:
-            q = select(func.count()).select_from(table)
+            source = table
+            if table is t.samples and set(where) & {"run_id", "producer"}:
+                source = t.samples.join(t.batches, t.batches.c.id == t.samples.c.batch_id)
+            q = select(func.count()).select_from(source)
             for k, v in where.items():
-                q = q.where(table.c[k] == v)
+                col = t.batches.c[k] if table is t.samples and k in ("run_id", "producer") else table.c[k]
+                q = q.where(col == v)
             return int(conn.execute(q).scalar_one())
     finally:
         engine.dispose()
+
+
+def sample_rows(db_url: str) -> list[dict[str, Any]]:
+    """Every raw sample with its batch's run, producer and seq, in insertion order (hist decoded)."""
+    from shadowd.collector import histblob
+
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(t.samples, t.batches.c.run_id, t.batches.c.producer, t.batches.c.seq)
+                .join(t.batches, t.batches.c.id == t.samples.c.batch_id).order_by(t.samples.c.id)
+            ).mappings().all()
+    finally:
+        engine.dispose()
+    def norm(v: Any) -> Any:  # NaN (PostgreSQL keeps it, SQLite stores NULL) compares equal to itself here
+        return "NaN" if isinstance(v, float) and math.isnan(v) else v
+
+    return [{**{k: norm(v) for k, v in r.items()}, "hist": histblob.decode(r["hist"])} for r in rows]
 
 
 TABLES = (t.samples, t.batches, t.cells, t.timeslots, t.hists, t.steps, t.producers)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import orjson
 from sqlalchemy import create_engine, select
 
 from shadowd.collector import tables as t
-from tests.collector.helpers import count_rows, post_msgpack, register
+from tests.collector.helpers import count_rows, post_msgpack, register, sample_rows
 from tests.factories import make_batch, run_body
 
 
@@ -126,15 +127,67 @@ def test_packed_histograms_equal_list_histograms(fresh_sqlite, make_client):
     assert post_msgpack(c, run_id, make_batch(40, seq=0, packed_hist=True)).status_code == 200
     # the same samples as lists from another producer give identical rollups
     assert post_msgpack(c, run_id, make_batch(40, seq=0, producer="p2")).status_code == 200
-    engine = create_engine(fresh_sqlite)
-    with engine.connect() as conn:
-        hists = conn.execute(select(t.samples.c.producer, t.samples.c.hist).order_by(t.samples.c.id)).all()
-    engine.dispose()
-    assert [h for p, h in hists if p == "p-test"] == [h for p, h in hists if p == "p2"]
+    rows = sample_rows(fresh_sqlite)
+    assert [r["hist"] for r in rows if r["producer"] == "p-test"] == [r["hist"] for r in rows if r["producer"] == "p2"]
+    assert rows[0]["hist"] == make_batch(40)["samples"]["hist"][0]
     bad = make_batch(40, seq=1, packed_hist=True)
     bad["samples"]["hist"] = bad["samples"]["hist"][:-8]
     r = post_msgpack(c, run_id, bad)
     assert r.status_code == 422 and r.json()["detail"]["field"] == "samples.hist"
+
+
+def test_packed_and_list_columns_store_identical_rows(db_url, make_client):
+    """Every numeric column packed (what the hook sends), as lists, or as JSON: the same rows, rollups and
+    digest — re-sending the batch in another form is a duplicate."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4))
+    n = 60
+    rel = [3e-3] * n
+    rel[5], rel[7] = float("nan"), 0.5
+    extra = {"rel_l2": rel, "cand_us": [None, 12.5] * (n // 2), "error": [None] * (n - 1) + ["exception:X"],
+             "nan_cand": [0] * (n - 1) + [3], "mode": "validate"}
+    listed = make_batch(n, seq=0, producer="lists", **extra)
+    packed = make_batch(n, seq=0, producer="packed", packed=True, **extra)
+    assert isinstance(packed["samples"]["ts"], bytes) and isinstance(packed["samples"]["hist"], bytes)
+    assert post_msgpack(c, run_id, listed).status_code == 200
+    assert post_msgpack(c, run_id, packed).status_code == 200
+    rows = sample_rows(db_url)
+    by = {p: [{k: v for k, v in r.items() if k not in ("id", "batch_id", "producer")} for r in rows
+              if r["producer"] == p] for p in ("lists", "packed")}
+    assert len(by["lists"]) == n and by["lists"] == by["packed"]
+    first = by["lists"][0]
+    # a missing optional value: NULL (SQLite stores NaN as NULL; PostgreSQL keeps NaN)
+    assert first["mode"] == "validate" and first["cand_us"] in (None, "NaN") and first["exceeded"] == 0
+    assert by["lists"][1]["cand_us"] == 12.5 and by["lists"][-1]["nan_cand"] == 3
+    assert by["lists"][-1]["error"] == "exception:X" and by["lists"][7]["exceeded"] == 1
+    assert first["rel_l2"] == listed["samples"]["rel_l2"][0] and first["hist"] == listed["samples"]["hist"][0]
+    # the packed batch re-sent as lists or JSON is the same content: a duplicate, not a conflict
+    relisted = {**listed, "producer": "packed"}
+    assert post_msgpack(c, run_id, relisted).json()["duplicate"] is True
+    as_json = orjson.dumps(relisted)  # NaN travels as null
+    r = c.post(f"/v1/runs/{run_id}/samples", content=as_json, headers={"content-type": "application/json"})
+    assert r.json()["duplicate"] is True
+    changed = make_batch(n, seq=0, producer="packed", packed=True, **{**extra, "mode": "on"})
+    assert post_msgpack(c, run_id, changed).status_code == 409
+    layers = c.get(f"/v1/runs/{run_id}/layers").json()["layers"]
+    assert sum(x["samples"] for x in layers) == 2 * n and sum(x["exceeded"] for x in layers) == 2 * 3
+
+
+def test_packed_columns_are_validated(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=4))
+    short = make_batch(6, packed=True)
+    short["samples"]["ts"] = short["samples"]["ts"][:-8]
+    negative = make_batch(6, packed=True, nan_base=[0, 0, -1, 0, 0, 0])
+    nan_ts = make_batch(6, packed=True, ts=[1.8e9, float("nan"), 1.8e9, 1.8e9, 1.8e9, 1.8e9])
+    huge = make_batch(6, packed=True, heads=[8, 8, 8, 2**31, 8, 8])
+    packed_str = make_batch(6, packed=True)
+    packed_str["samples"]["mode"] = b"validate"
+    for batch, field in ((short, "samples.ts"), (negative, "samples.nan_base[2]"), (nan_ts, "samples.ts[1]"),
+                         (huge, "samples.heads[3]"), (packed_str, "samples.mode")):
+        r = post_msgpack(c, run_id, batch)
+        assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
+    assert count_rows(fresh_sqlite, t.samples) == 0
 
 
 def test_speculative_accept_length_per_mode(db_url, make_client):

@@ -60,17 +60,26 @@ def test_server_refuses_an_outdated_schema(fresh_sqlite):
         create_app(CollectorSettings(db_url=fresh_sqlite))
 
 
-def test_retention_deletes_raw_samples_and_keeps_rollups(fresh_sqlite, make_client):
-    c = make_client(fresh_sqlite)
+def test_retention_deletes_raw_samples_and_keeps_rollups(db_url, make_client):
+    c = make_client(db_url)
     run_id = register(c, run_body(num_layers=2))
     now = time.time()
-    post_msgpack(c, run_id, make_batch(10, num_layers=2, seq=0, ts0=now - 10 * 86400))
+    old = make_batch(10, num_layers=2, seq=0, ts0=now - 10 * 86400)
+    post_msgpack(c, run_id, old)
     post_msgpack(c, run_id, make_batch(10, num_layers=2, seq=1, ts0=now, step0=100))
+    post_msgpack(c, run_id, make_batch(10, num_layers=2, seq=0, ts0=now - 9 * 86400, producer="p2"))
     store = c.app.state.shadowd.store
-    assert store.prune_samples(now - 86400) == 10
-    assert count_rows(fresh_sqlite, t.samples) == 10
+    assert store.prune_samples(now - 86400) == 20
+    assert count_rows(db_url, t.samples) == 10
+    assert store.prune_samples(now - 86400) == 0  # nothing twice
+    # the batch rows were received just now: duplicate detection still knows them
+    assert post_msgpack(c, run_id, old).json()["duplicate"] is True
+    assert count_rows(db_url, t.batches) == 3
+    # a later pass forgets the old batches too, and keeps the recent one with its samples
+    assert store.prune_samples(time.time() + 3600) == 10
+    assert count_rows(db_url, t.batches) == 0 and count_rows(db_url, t.samples) == 0
     layers = c.get(f"/v1/runs/{run_id}/layers").json()["layers"]
-    assert sum(row["samples"] for row in layers) == 20
+    assert sum(row["samples"] for row in layers) == 30
 
 
 def test_healthz_and_first_readiness(db_url, make_client):

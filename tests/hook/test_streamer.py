@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
@@ -17,7 +18,7 @@ from shadowd.collector.batch import parse_batch
 from shadowd.hook.site import ShadowSite
 from shadowd.hook.spool import Spool
 from shadowd.hook.streamer import Streamer, build_batch
-from shadowd.wire import HIST_BINS, decode_msgpack
+from shadowd.wire import HIST_BINS, decode_msgpack, encode_msgpack
 from tests.hook.conftest import Collector, base_fn, cand_fn, free_port, inputs, make_runtime, run_body
 
 
@@ -49,6 +50,28 @@ def test_batches_are_valid_wire_batches() -> None:
     batch = build_batch("p1", 0, list(sink), {"dropped": 0, "spool_depth": 0, "fallback": 0})
     vb = parse_batch(batch)
     assert vb.n == 4 and vb.cols["error"][-1] == "exception:ZeroDivisionError"
+    # numeric columns travel packed; as lists they are the same content
+    assert isinstance(batch["samples"]["max_abs"], bytes) and isinstance(batch["samples"]["hist"], bytes)
+    assert isinstance(batch["samples"]["error"], list)
+    listed = parse_batch(build_batch("p1", 0, list(sink), packed=False))
+    assert isinstance(build_batch("p1", 0, list(sink), packed=False)["samples"]["max_abs"], list)
+    assert listed.digest == vb.digest
+    for name, col in vb.cols.items():
+        a, b = col, listed.cols[name]
+        assert (a == b if isinstance(a, list) else np.array_equal(a, b, equal_nan=True)), name
+
+
+def test_packed_batch_keeps_missing_values_and_non_finite_statistics() -> None:
+    samples = [sample(i) for i in range(3)]
+    samples[1]["cand_us"] = None
+    samples[2]["rel_l2"] = float("nan")
+    samples[2]["max_abs"] = float("inf")
+    samples[0]["new_requests"] = 2
+    vb = parse_batch(decode_msgpack(encode_msgpack(build_batch("p", 0, samples))))
+    assert vb.cols["cand_us"][0] == 10.0 and np.isnan(vb.cols["cand_us"][1])
+    assert np.isnan(vb.cols["rel_l2"][2]) and np.isinf(vb.cols["max_abs"][2])
+    assert vb.cols["new_requests"].tolist() == [2, 0, 0]
+    assert vb.cols["hist"][0].tolist() == samples[0]["hist"]
 
 
 def test_client_errors_are_typed(collector: Collector) -> None:
@@ -70,7 +93,8 @@ def test_client_errors_are_typed(collector: Collector) -> None:
 def db_samples(db: Path, run_id: int) -> list[tuple[str, int]]:
     con = sqlite3.connect(db)
     try:
-        return con.execute("SELECT producer, call FROM samples WHERE run_id = ?", (run_id,)).fetchall()
+        return con.execute("SELECT b.producer, s.call FROM samples s JOIN batches b ON b.id = s.batch_id "
+                           "WHERE b.run_id = ?", (run_id,)).fetchall()
     finally:
         con.close()
 

@@ -266,3 +266,50 @@ def test_policy_file_env_and_demo(tmp_path) -> None:
     demo = load_policy(str(resources.files("shadowd") / "policies" / "demo.toml"), {})
     assert demo.confidence == 0.9 and demo.target_rate == 0.05
     assert steps_needed(0, demo.target_rate, demo.confidence) < 100
+
+
+def test_policy_change_bound_from_the_stored_histogram_layout() -> None:
+    """The collector keeps run-wide quarter-octave and per-layer octave histograms: the possibly
+    exceeding calls are the same as from per-layer quarter-octave ones, the surely exceeding ones a
+    valid lower bound, and the verdicts agree with the old layout."""
+    from shadowd.collector.batch import parse_batch
+    from shadowd.collector.rollups import compute_deltas
+    from shadowd.judge.bins import OCTAVE_SUFFIX, RUN_WIDE, octave_of
+    from tests.factories import make_batch
+
+    n_layers, n = 2, 4000
+    rel = np.full(n, 1e-3)
+    rel[::20] = 0.5  # one call in 20 far beyond tolerance, in both layers
+    batch = make_batch(n, num_layers=n_layers, rel_l2=1.0)
+    batch["samples"]["rel_l2"] = rel.tolist()
+    batch["samples"]["cos_diff"] = (rel**2 / 2).tolist()
+    batch["samples"]["max_abs"] = (rel / 4).tolist()
+    d = compute_deltas(1, parse_batch(batch), SMALL, 60)
+    stored: dict[tuple[int, str], dict[int, int]] = {}
+    for _, layer, stat, b, count in d.hists.rows:
+        stored.setdefault((layer, stat), {})[b] = count
+    assert {s for (lay, s) in stored if lay == RUN_WIDE} == {"max_abs", "rel_l2", "cos_diff", "scaled"}
+    assert {s for (lay, s) in stored if lay >= 0} == {s + OCTAVE_SUFFIX for s in ("max_abs", "rel_l2", "cos_diff",
+                                                                                   "scaled")}
+    # the old layout: per-layer quarter-octave, from the same values
+    layer = np.arange(n) % n_layers
+    old: dict[tuple[int, str], dict[int, int]] = {}
+    for stat, values in (("rel_l2", rel), ("cos_diff", rel**2 / 2), ("scaled", rel / 4)):
+        for lay, b in zip(layer.tolist(), stat_bins(values).tolist(), strict=True):
+            h = old.setdefault((lay, stat), {})
+            h[b] = h.get(b, 0) + 1
+    # per-layer octave bins are the quarter-octave ones folded by four
+    for (lay, stat), h in old.items():
+        folded: dict[int, int] = {}
+        for b, c in h.items():
+            k = int(octave_of(np.array([b]))[0])
+            folded[k] = folded.get(k, 0) + c
+        assert stored[(lay, stat + OCTAVE_SUFFIX)] == folded
+    steps = n // n_layers
+    base = rollups(num_layers=n_layers, steps=steps, policy_hash="other", n_per_layer=n // n_layers)
+    for policy, want in ((SMALL, "fail"), (SMALL.model_copy(update={"target_rate": 0.5}), "pass")):
+        ex_old = criterion(judge(dataclasses.replace(base, hists=old), policy), "exceedance")
+        ex_new = criterion(judge(dataclasses.replace(base, hists=stored), policy), "exceedance")
+        assert ex_new["conservative"] and ex_old["status"] == ex_new["status"] == want
+        assert ex_new["observed"]["exceeding_steps"] == ex_old["observed"]["exceeding_steps"]  # possible: same
+        assert 0 < ex_new["observed"]["exceeding_steps_lower"] <= ex_old["observed"]["exceeding_steps_lower"]

@@ -6,10 +6,11 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from shadowd.collector.batch import parse_batch
+from shadowd.collector.batch import ValidBatch, parse_batch
 from shadowd.collector.deps import Authorized, State, read_body
 from shadowd.collector.errors import ApiError
 from shadowd.collector.schemas import IngestAnswer
+from shadowd.collector.store import IngestResult
 from shadowd.wire import MSGPACK, decode_msgpack
 
 __all__ = ["router"]
@@ -37,8 +38,11 @@ async def ingest(run_id: int, request: Request, state: State) -> IngestAnswer:
     body = await read_body(request, state.settings.max_body_bytes)
     decoded = _decode(body, request.headers.get("content-type", ""))
 
-    batch = await run_in_threadpool(parse_batch, decoded)
-    result = await run_in_threadpool(state.store.ingest, run_id, batch)
+    def parse_and_store() -> tuple[ValidBatch, IngestResult]:
+        batch = parse_batch(decoded)
+        return batch, state.store.ingest(run_id, batch, state.writer)
+
+    batch, result = await run_in_threadpool(parse_and_store)
     m = state.metrics
     if result.duplicate:
         m.duplicates.labels(str(run_id)).inc()

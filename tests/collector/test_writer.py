@@ -1,0 +1,109 @@
+"""The ingest writer processes (SQLite): same rows as inline ingest, restart after a crash, several writers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from sqlalchemy import create_engine, select
+
+from shadowd.collector import tables as t
+from shadowd.collector.batch import parse_batch
+from tests.collector.helpers import count_rows, post_msgpack, register, sample_rows
+from tests.factories import make_batch, run_body
+
+
+def _rollups(db_url: str) -> dict[str, list[tuple]]:
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return {
+                table.name: sorted(tuple(r) for r in conn.execute(select(table)).all())
+                for table in (t.cells, t.timeslots, t.hists, t.steps)
+            }
+    finally:
+        engine.dispose()
+
+
+def test_writer_process_stores_what_inline_ingest_stores(tmp_path, make_client):
+    urls = {mode: f"sqlite:///{tmp_path / mode}.db" for mode in ("process", "inline")}
+    for mode, url in urls.items():
+        c = make_client(url, ingest_writer=mode)
+        assert (c.app.state.shadowd.writer is not None) == (mode == "process")
+        run_id = register(c, run_body(num_layers=4))
+        rel = [3e-3] * 200
+        rel[17] = 0.5
+        batch = make_batch(200, packed=True, rel_l2=rel, mode="on", error=[None] * 199 + ["shape"])
+        assert post_msgpack(c, run_id, batch).json()["accepted"] == 200
+        assert post_msgpack(c, run_id, batch).json()["duplicate"] is True
+        bad = make_batch(8, seq=1, layer=[0, 1, 2, 3, 4, 0, 1, 2])
+        r = post_msgpack(c, run_id, bad)
+        assert r.status_code == 422 and r.json()["detail"]["field"] == "samples.layer[4]"
+        assert c.get(f"/v1/runs/{run_id}").json()["exceeded_calls"] >= 1
+    rows = {mode: [{k: v for k, v in r.items() if k != "id"} for r in sample_rows(url)] for mode, url in urls.items()}
+    assert len(rows["process"]) == 200 and rows["process"] == rows["inline"]
+    roll = {mode: _rollups(url) for mode, url in urls.items()}
+    assert roll["process"] == roll["inline"]
+
+
+def test_a_dead_writer_is_replaced_and_loses_nothing_committed(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=4))
+    assert post_msgpack(c, run_id, make_batch(40, seq=0, packed=True)).status_code == 200
+    writer = c.app.state.shadowd.writer
+    (pid,) = writer.pids
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while writer._workers[0].conn is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = post_msgpack(c, run_id, make_batch(40, seq=1, step0=10, packed=True))
+    assert r.status_code == 200, r.text
+    assert writer.pids != [pid]
+    assert count_rows(fresh_sqlite, t.samples) == 80
+    assert c.get(f"/v1/runs/{run_id}").json()["batches"] == 2
+
+
+def test_several_writer_processes_share_the_write_lock(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite, ingest_writer_processes=2)
+    assert len(c.app.state.shadowd.writer.pids) == 2
+    run_id = register(c, run_body(num_layers=4))
+    errors: list[str] = []
+
+    def feed(producer: str) -> None:
+        for seq in range(8):
+            r = post_msgpack(c, run_id, make_batch(300, producer=producer, seq=seq, step0=seq * 100, packed=True))
+            if r.status_code != 200:
+                errors.append(r.text)
+
+    threads = [threading.Thread(target=feed, args=(p,)) for p in ("a", "b", "c")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert count_rows(fresh_sqlite, t.samples) == 3 * 8 * 300
+    run = c.get(f"/v1/runs/{run_id}").json()
+    assert run["samples"] == 7200 and run["batches"] == 24
+    assert sum(x["samples"] for x in c.get(f"/v1/runs/{run_id}/layers").json()["layers"]) == 7200
+
+
+def test_a_batch_stored_by_an_older_collector_is_still_a_duplicate(db_url, make_client):
+    """Batches stored before the digest moved to the decoded columns carry the older digest."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4))
+    batch = make_batch(20, seq=3)
+    legacy = parse_batch(batch).legacy_digest()
+    assert legacy is not None and not legacy.startswith("v2:")
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(t.batches.insert().values(run_id=run_id, producer="p-test", seq=3, digest=legacy, n_samples=20,
+                                               received_at=time.time(), max_ts=1.8e9))
+    engine.dispose()
+    again = post_msgpack(c, run_id, batch)
+    assert again.status_code == 200 and again.json()["duplicate"] is True
+    other = post_msgpack(c, run_id, make_batch(20, seq=3, rel_l2=9e-3))
+    assert other.status_code == 409 and other.json()["detail"]["field"] == "seq"
+    assert c.get(f"/v1/runs/{run_id}").json()["duplicate_batches"] == 1
+    assert count_rows(db_url, t.samples) == 0
