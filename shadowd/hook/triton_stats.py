@@ -228,7 +228,8 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constex
     # addresses: one scalar base per tile plus the tile's (constant) int32 lane offsets
     nfull = (n // BLOCK).to(tl.int32)
     t = pid
-    go = t < nfull
+    # t < nfull, as a per-lane mask that is uniform per tile (the loads stay vectorised)
+    go = lane < (nfull - t).to(tl.int64) * BLOCK
     base = tl.cast(t, tl.int64) * BLOCK
     c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
     b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
@@ -237,7 +238,7 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constex
         b = b_nx.to(tl.float32)
         tt = t
         t += nprog
-        go = t < nfull
+        go = lane < (nfull - t).to(tl.int64) * BLOCK
         base = tl.cast(t, tl.int64) * BLOCK
         c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
         b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
@@ -537,8 +538,8 @@ def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, BLOCK: tl.constexpr):
     run = tl.load(sstate_ptr + 13) != 0
     offs = tl.arange(0, BLOCK)
     m = offs < n
-    v = tl.load(src_ptr + offs, mask=m & run, other=0)
-    tl.store(dst_ptr + offs, v, mask=m)
+    v = tl.load(src_ptr + offs, mask=m, other=0)
+    tl.store(dst_ptr + offs, tl.where(run, v, 0), mask=m)
 
 
 @triton.jit(do_not_specialize=["idx"])

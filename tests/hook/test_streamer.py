@@ -214,7 +214,10 @@ def test_enqueue_never_waits_on_a_collector_that_never_answers(tmp_path: Path) -
         site(x, w, layer=0)
     assert rt.emitted == n + 1, "every call completed while the sender was blocked"
     assert st._q.qsize() == 100, "bounded memory: the queue holds its maximum"
-    assert st.dropped == n - 100, "the rest was dropped and counted (the first sample is in the blocked POST)"
+    # every sample is accounted for: queued, dropped and counted, or held by the blocked sender (the
+    # first one, when the request it blocks in is that sample's POST rather than a mode poll)
+    held = n + 1 - st._q.qsize() - st.dropped
+    assert held in (0, 1), (held, st.dropped)
     release.set()
     silent.sock.close()
 
