@@ -208,6 +208,22 @@ def _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, EXACT: tl.constexpr, B
 
 
 @triton.jit
+def _row_state(ROWS: tl.constexpr):
+    # per-row running state of a pass: best |d| (-1: none yet) and its tile, Σ|d|, Σd², Σb², Σc²,
+    # max relative |d|, max |b|
+    z = tl.zeros([ROWS], tl.float32)
+    return tl.full([ROWS], -1.0, tl.float32), tl.zeros([ROWS], tl.int32), z, z, z, z, z, z
+
+
+@triton.jit
+def _sums(s_abs, s_d2, s_b2, s_c2):
+    # the four per-row fp32 sums reduced in fp64: [Σ|d|, Σd², Σb², Σc²] (tl.join adds its new axis
+    # last, so nested joins interleave: this operand order flattens to that order)
+    rows: tl.constexpr = s_abs.numel
+    return tl.sum(tl.reshape(tl.join(tl.join(s_abs, s_b2), tl.join(s_d2, s_c2)), [rows, 4]).to(tl.float64), axis=0)
+
+
+@triton.jit
 def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr):
     # The common case, every value finite: no masks on full tiles (vectorised loads, the next tile
     # loaded before the current one is reduced), no non-finite bookkeeping. A NaN or Inf anywhere (or
@@ -216,14 +232,7 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constex
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, VEC)
     lane = rows[:, None] * VEC + cols[None, :]
-    best = tl.full([ROWS], -1.0, tl.float32)
-    best_t = tl.zeros([ROWS], tl.int32)
-    s_abs = tl.zeros([ROWS], tl.float32)
-    s_d2 = tl.zeros([ROWS], tl.float32)
-    s_b2 = tl.zeros([ROWS], tl.float32)
-    s_c2 = tl.zeros([ROWS], tl.float32)
-    m_rel = tl.zeros([ROWS], tl.float32)
-    m_b = tl.zeros([ROWS], tl.float32)
+    best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b = _row_state(ROWS)
     ha, hb = _hist_init(ROWS, HIST)
     # addresses: one scalar base per tile plus the tile's (constant) int32 lane offsets
     nfull = (n // BLOCK).to(tl.int32)
@@ -265,14 +274,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, VEC)
     lane = rows[:, None] * VEC + cols[None, :]
-    best = tl.full([ROWS], -1.0, tl.float32)
-    best_t = tl.zeros([ROWS], tl.int32)
-    s_abs = tl.zeros([ROWS], tl.float32)
-    s_d2 = tl.zeros([ROWS], tl.float32)
-    s_b2 = tl.zeros([ROWS], tl.float32)
-    s_c2 = tl.zeros([ROWS], tl.float32)
-    m_rel = tl.zeros([ROWS], tl.float32)
-    m_b = tl.zeros([ROWS], tl.float32)
+    best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b = _row_state(ROWS)
     nan_b = tl.zeros([ROWS], tl.int32)
     inf_b = tl.zeros([ROWS], tl.int32)
     nan_c = tl.zeros([ROWS], tl.int32)
@@ -339,16 +341,12 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
     go = tl.load(sstate_ptr) != 0  # do_stats, decided by the control kernel (or the host)
     n = tl.where(go, n, 0)
     top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK, VEC, HIST)
-    # (tl.join adds its new axis last, so nested joins interleave: this operand order flattens to
-    # [Σ|d|, Σd², Σb², Σc²])
-    sums = tl.sum(tl.reshape(tl.join(tl.join(s_abs, s_b2), tl.join(s_d2, s_c2)), [BLOCK // VEC, 4]).to(tl.float64),
-                  axis=0)
+    sums = _sums(s_abs, s_d2, s_b2, s_c2)
     counts = tl.zeros([8], tl.int64)
     if not (tl.sum(sums, axis=0) < float("inf")):  # a non-finite value in this program's tiles: redo exactly
         top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts = _exact_pass(c_ptr, b_ptr, pid, nprog, n,
                                                                                   BLOCK, VEC, HIST)
-        sums = tl.sum(tl.reshape(tl.join(tl.join(s_abs, s_b2), tl.join(s_d2, s_c2)), [BLOCK // VEC, 4])
-                      .to(tl.float64), axis=0)
+        sums = _sums(s_abs, s_d2, s_b2, s_c2)
 
     # Phase 2 (every program that saw data): fold its partials into the accumulator row with
     # device-scope atomics, one vector atomic per kind: fp64 sums, integer counts and histogram, and
