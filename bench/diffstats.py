@@ -30,14 +30,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shadowd.hook.config import HookConfig, Sampling
-from shadowd.hook.device import REC, TILE, launch_stats, new_accumulator
+from shadowd.hook.device import REC, TILE, hist_mode_for, launch_stats, new_accumulator
 from shadowd.hook.diffstats import raw_stats_torch
 from shadowd.hook.runtime import HookRuntime
 from shadowd.hook.site import Bucket, ShadowSite
 
 CALLS_PER_GRAPH = 20
-#: statistics kernel configurations tried on 2 × 64 MiB: (elements per tile, warps, programs per SM)
-VARIANTS = ((2048, 4, 3), (4096, 8, 1), (4096, 8, 2), (8192, 8, 1), (8192, 16, 1), (16384, 16, 1))
+#: statistics kernel configurations tried on 2 × 64 MiB: ((elements per tile, warps, programs per SM), histogram
+#: mode: 1 tl.histogram, 2 warp ballots, 3 shared-memory columns, 0 none)
+VARIANTS = (((4096, 8, 2), 3), ((2048, 4, 4), 3), ((2048, 8, 2), 3), ((4096, 8, 2), 4), ((2048, 4, 4), 4),
+            ((4096, 8, 2), 5), ((2048, 4, 4), 5), ((8192, 16, 1), 5), ((2048, 8, 2), 5), ((8192, 16, 1), 2),
+            ((4096, 8, 2), 1), ((4096, 8, 2), 0))
+#: configurations tried per call under a graph on the small outputs (latency, not bandwidth)
+SMALL_VARIANTS = ((512, 4, 4), (1024, 4, 4), (1024, 2, 8), (2048, 4, 4), (4096, 8, 2))
+HIST_NAMES = {0: "off", 1: "tl.histogram", 2: "warp ballots", 3: "shared-memory columns (red.shared)",
+              4: "shared-memory columns (load/add/store)", 5: "per-warp rows (match.any leaders)"}
 
 
 def cuda_time(fn, reps: int = 20, warm: int = 3) -> float:
@@ -134,11 +141,13 @@ def main() -> int:
         res["fused"].append({"MiB_per_output": mib, "us": t * 1e6, "GBps": bw / 1e9, "frac_of_copy": bw / copy_bw,
                              "tile": list(TILE)})
         if mib == 64:  # tile configurations (elements per tile, warps, programs per SM), histogram on/off
-            for tile, hist, mode in [(v, True, None) for v in VARIANTS] + [(TILE, True, 1), (TILE, False, None)]:
-                k = st(c, b, tile, hist, mode)
+            for tile, mode in VARIANTS:
+                hist = mode != 0
+                k = st(c, b, tile, hist, mode or None)
                 tv = graph_time(lambda c=c, b=b, tile=tile, hist=hist, mode=mode: [st(c, b, tile, hist, mode)
                                                                                    for _ in range(4)], reps=20) / 4
-                res["variants"].append({"tile": list(tile), "hist": hist, "hist_mode": mode, "us": tv * 1e6,
+                res["variants"].append({"tile": list(tile), "hist": hist, "hist_mode": hist_mode_for(mode, tile[1]),
+                                        "us": tv * 1e6,
                                         "frac_of_copy": 2 * n * 2 / tv / copy_bw,
                                         "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
         del b, c
@@ -148,10 +157,20 @@ def main() -> int:
         c = b + (1e-2 * torch.randn(shape, device=dev)).to(torch.bfloat16)
         t = graph_time(lambda c=c, b=b: [st(c, b) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
         t1 = graph_time(lambda c=c, b=b: st(c, b))
+        st.sstate[0] = 0  # an unsampled call: the same launch, the decision word says no statistics
+        t0 = graph_time(lambda c=c, b=b: [st(c, b) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
+        st.sstate[0] = 1
         nbytes = 2 * b.numel() * 2
         goal = max(4e-6, 2 * nbytes / copy_bw)
+        per_tile = {}
+        if b.numel() <= 2**23:
+            for tile in SMALL_VARIANTS:
+                per_tile[str(tile)] = 1e6 * graph_time(
+                    lambda c=c, b=b, tile=tile: [st(c, b, tile) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
         res["graph_small"].append({"shape": list(shape), "bytes_both": nbytes, "us": t * 1e6, "goal_us": goal * 1e6,
-                                   "meets_goal": t <= goal, "one_call_graph_us": t1 * 1e6})
+                                   "meets_goal": t <= goal, "one_call_graph_us": t1 * 1e6,
+                                   "unsampled_us": t0 * 1e6,
+                                   "us_per_tile": per_tile})
     b = torch.randn(256, 64, 512, device=dev, dtype=torch.bfloat16)
     c = b + (1e-2 * torch.randn(256, 64, 512, device=dev)).to(torch.bfloat16)
     res["naive_torch_us_256x64x512"] = cuda_time(lambda: raw_stats_torch(c, b)) * 1e6
@@ -215,14 +234,17 @@ def render(r: dict) -> str:
         lines.append(f"- fused diff pass, 2 × {f['MiB_per_output']} MiB bf16: {f['us']:.1f} µs, "
                      f"{f['GBps']:.0f} GB/s = {100 * f['frac_of_copy']:.0f} % of copy (goal ≥ 70 %)")
     for v in r.get("variants", []):
-        hist = "off" if not v["hist"] else ("tl.histogram" if v.get("hist_mode") == 1 else "warp ballots")
+        hist = HIST_NAMES[v["hist_mode"] if v["hist"] else 0]
         lines.append(f"  - variant tile {tuple(v['tile'])} histogram {hist}: {v['us']:.1f} µs = "
                      f"{100 * v['frac_of_copy']:.0f} % of copy ({v.get('regs')} registers, {v.get('spills')} spills)")
     for g in r["graph_small"]:
         lines.append(f"- under a graph, output {tuple(g['shape'])} bf16: {g['us']:.2f} µs per call of "
                      f"{CALLS_PER_GRAPH} in one graph (goal ≤ {g['goal_us']:.2f} µs: "
                      f"{'met' if g['meets_goal'] else 'NOT met'}); one-call graph {g['one_call_graph_us']:.2f} µs "
-                     f"per replay")
+                     f"per replay; an unsampled call {g['unsampled_us']:.2f} µs")
+        if g.get("us_per_tile"):
+            lines.append("  - per call by tile (elements, warps, programs per SM): "
+                         + ", ".join(f"{k} {v:.2f} µs" for k, v in g["us_per_tile"].items()))
     lines.append(f"- naive torch diff pass (several ops) on 256×64×512: {r['naive_torch_us_256x64x512']:.0f} µs")
     h = r["host_us_per_call"]
     lines.append(f"- host time per call: baseline alone {h['baseline_direct']:.2f} µs, off {h['off']:.2f} µs "

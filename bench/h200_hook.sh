@@ -6,10 +6,10 @@ OUT=${OUT:-/tmp/h200_hook_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
-timeout 120 python3 -m pytest tests/hook/test_gpu.py tests/hook/test_diffstats.py -q -rs -p no:cacheprovider \
+timeout 240 python3 -m pytest tests/hook/test_gpu.py tests/hook/test_diffstats.py -q -rs -p no:cacheprovider \
   -o addopts="" 2>&1 | tee "$OUT/pytest_gpu.log"
 TEST_RC=$?
-timeout 130 python3 bench/diffstats.py --out "$OUT/diffstats.json" --results "$OUT/hook-bench.md" 2>&1 \
+timeout 330 python3 bench/diffstats.py --out "$OUT/diffstats.json" --results "$OUT/hook-bench.md" 2>&1 \
   | tee "$OUT/bench.log"
 BENCH_RC=$?
 echo "=== SUMMARY ==="

@@ -193,7 +193,8 @@ def run_shape(B, L, T, H, bw, peak, have_triton, seed=0):
     out = torch.empty(case.q.shape[0], H, 512, dtype=torch.bfloat16, device="cuda")
     total = case.q.shape[0]
     splits = mla_tree_verify.choose_num_splits(
-        B, T, H, L + T, torch.cuda.get_device_properties(0).multi_processor_count
+        B, T, H, L + T, torch.cuda.get_device_properties(0).multi_processor_count,
+        mla_tree_verify.block_m(),
     )
     ws = torch.empty(
         max(16, mla_tree_verify.workspace_size(B, total, H, splits)), dtype=torch.uint8, device="cuda"

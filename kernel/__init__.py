@@ -22,6 +22,7 @@ __all__ = [
     "D_V",
     "ERROR_BITS",
     "ArgumentError",
+    "block_m",
     "choose_num_splits",
     "decode_error_flag",
     "tree_verify",
@@ -31,7 +32,7 @@ __all__ = [
 
 D_QK = 576
 D_V = 512
-BLOCK_M = 32
+BLOCK_M = 64  # query rows per CTA of the default build (schedule v2; -DMTV_V1 builds report 32)
 MAX_SPLITS = 128
 MIN_KV_PER_SPLIT = 128
 
@@ -49,14 +50,26 @@ def decode_error_flag(value: int) -> list[str]:
     return [msg for bit, msg in ERROR_BITS.items() if value & bit]
 
 
-def choose_num_splits(batch: int, max_q_len: int, heads: int, kv_len_hint: int, sm_count: int = 132) -> int:
+def block_m() -> int:
+    """Query rows per CTA of the built library (64: the default schedule v2; 32: ``-DMTV_V1``).
+
+    Builds and loads the library if needed (CUDA machine)."""
+    from . import _lib
+
+    return int(_lib.load().mtv_block_m())
+
+
+def choose_num_splits(batch: int, max_q_len: int, heads: int, kv_len_hint: int, sm_count: int = 132,
+                      block_m: int = BLOCK_M) -> int:
     """KV splits per (request, row tile), from shapes only (static under CUDA-graph replay).
+
+    ``block_m`` is the library's query rows per CTA (:func:`block_m`; BLOCK_M without a library).
 
     The kernel runs one 256-thread CTA per SM (registers), so aim for one full wave of
     ``sm_count`` CTAs, with at least MIN_KV_PER_SPLIT KV rows per split on average
     (``kv_len_hint`` = average prefix + tree length; an over-estimate only costs speed).
     """
-    m_tiles = max(1, math.ceil(max_q_len * heads / BLOCK_M))
+    m_tiles = max(1, math.ceil(max_q_len * heads / block_m))
     base = max(1, batch * m_tiles)
     s = sm_count // base
     s = min(s, max(1, math.ceil(kv_len_hint / MIN_KV_PER_SPLIT)), MAX_SPLITS)
@@ -161,7 +174,7 @@ def tree_verify(
         out = torch.empty((total_tokens, heads, D_V), dtype=torch.bfloat16, device=q.device)
     if num_splits is None:
         hint = kv_indices.shape[0] // max(batch, 1) + max_q_len
-        num_splits = choose_num_splits(batch, max_q_len, heads, hint, _sm_count(q.device))
+        num_splits = choose_num_splits(batch, max_q_len, heads, hint, _sm_count(q.device), block_m())
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     if workspace is not None:
         cap = workspace.numel() * workspace.element_size()

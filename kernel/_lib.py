@@ -71,6 +71,8 @@ def load() -> ctypes.CDLL:
             lib.mtv_error_string.restype = ctypes.c_char_p
             lib.mtv_workspace_floats.argtypes = [_i32, _i32, _i32]
             lib.mtv_workspace_floats.restype = _i64
+            lib.mtv_block_m.argtypes = []
+            lib.mtv_block_m.restype = ctypes.c_int
             _LIB = lib
         return _LIB
 

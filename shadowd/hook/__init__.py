@@ -4,8 +4,9 @@
 * :class:`HookRuntime` / :func:`get_runtime` — per-process state (mode, kill switch, sink);
 * :class:`HookConfig` — configuration from ``SHADOWD_*`` (and ``KDTREE_VERIFY``);
 * :class:`Streamer` — the non-blocking background sender with its on-disk spool;
-* :func:`stats_torch` — the diff statistics (CPU); the fused GPU kernels live in
-  ``shadowd.hook.triton_stats`` / ``shadowd.hook.device`` (imported only on CUDA);
+* :func:`stats_torch` — the diff statistics (CPU); the fused GPU pass lives in
+  ``shadowd.hook.triton_stats`` (its histogram in ``triton_hist``), the graph path's control kernels in
+  ``triton_control``, their launches in ``shadowd.hook.device`` (imported only on CUDA);
 * :func:`replay_bundle` — rerun a repro bundle (``shadowd.hook.replay``).
 
 Submodules are imported lazily so that ``import shadowd.hook`` stays cheap.

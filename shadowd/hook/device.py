@@ -50,33 +50,34 @@ import torch
 import triton
 
 from shadowd.hook.diffstats import NRAW, empty_stats, finalize
-from shadowd.hook.triton_stats import (
-    ACC,
-    ACC_WORDS,
-    control_kernel,
-    gate_kernel,
-    select_kernel,
-    stamp_kernel,
-    stats_kernel,
-)
+from shadowd.hook.triton_control import control_kernel, gate_kernel, select_kernel, stamp_kernel
+from shadowd.hook.triton_hist import COLS_WARPS, HIST_WARPS
+from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
 
 if TYPE_CHECKING:
     from shadowd.hook.runtime import HookRuntime
     from shadowd.hook.site import Bucket, ShadowSite
 
-__all__ = ["NMETA", "REC", "TILE", "DeviceState", "device_call", "fused_raw_stats", "gated_copy", "launch_stats",
+__all__ = ["NMETA", "REC", "TILE", "DeviceState", "device_call", "fused_raw_stats", "gated_copy", "hist_mode_for",
+           "launch_stats",
            "new_accumulator"]
 
 NMETA = 12  # record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, spare
 REC = NMETA + NRAW
 BLOCK = 1024  # elements per program of the select kernel
 #: statistics kernel: elements per tile, warps, programs per SM (bench/diffstats.py measures variants)
-TILE = (8192, 16, 1)
+TILE = (4096, 8, 2)
 #: outputs up to SMALL_NUMEL elements use SMALL_TILE: one short tile per program keeps the latency of a
 #: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
 SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
-#: histogram: 1 tl.histogram, 2 warp ballots (inline PTX; measured faster, bench/results/hook-2026-11-29.md)
-HIST_MODE = 2
+#: outputs up to SMALL_NUMEL elements also load their first tile before the call's decision arrives (it
+#: saves a memory round trip on sampled calls and costs that read on unsampled ones); up to POS_NUMEL the
+#: pass tracks the position of max |d| per element instead of re-reading it (latency over instructions)
+POS_NUMEL = 2**20
+REGS_PER_SM = 65536  # sm_80 .. sm_120
+#: histogram (shadowd.hook.triton_hist): 1 tl.histogram, 2 warp ballots, 3 per-thread shared-memory columns
+#: (compiled for COLS_WARPS warps; other warp counts fall back to ballots)
+HIST_MODE = 3
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MODE_NAME = {1: "validate", 2: "on"}
 
@@ -105,6 +106,14 @@ class _Slot:
         self.heads = 1
 
 
+def hist_mode_for(mode: int, warps: int) -> int:
+    """The histogram mode really compiled for ``warps`` warps: the shared-memory modes where their arrays
+    fit (columns 3, 4: COLS_WARPS; per-warp rows 5: HIST_WARPS), else warp ballots."""
+    if (mode in (3, 4) and warps not in COLS_WARPS) or (mode == 5 and warps not in HIST_WARPS):
+        return 2
+    return mode
+
+
 def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec: torch.Tensor,
                  seq: torch.Tensor, sstate: torch.Tensor, dstate: torch.Tensor, *, valid_rows: Any = None,
                  hard_scaled: float = 0.25, hard_rel_l2: float = 0.1, site_id: int = 0,
@@ -115,7 +124,8 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
     (:func:`new_accumulator`); calls sharing one must be stream-ordered. Positions of max |d| are exact
     below 2^32 elements. ``tile`` (elements per tile, warps, programs per SM), ``hist`` and ``hist_mode``
-    (1 tl.histogram, 2 warp ballots) are benchmark knobs; the hook uses the defaults."""
+    (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) are benchmark knobs; the hook uses the
+    defaults."""
     c = cand.reshape(-1) if cand.is_contiguous() else cand.contiguous().reshape(-1)
     b = base.reshape(-1) if base.is_contiguous() else base.contiguous().reshape(-1)
     n = b.numel()
@@ -124,14 +134,20 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     if isinstance(valid_rows, int):
         n = min(n, valid_rows * row)
     block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else TILE)
-    # histogram by warp ballots (inline PTX) on the GPU; tl.histogram in the interpreter
+    # histogram by inline PTX on the GPU (shared-memory columns, or warp ballots where the columns are not
+    # compiled for this many warps); tl.histogram in the interpreter
     mode = (hist_mode or (1 if _INTERPRET else HIST_MODE)) if hist else 0
+    mode = hist_mode_for(mode, warps)
     vec = max(1, min(8, 16 // b.element_size()))  # one 16-byte vector per row of a tile
     nprog = max(1, min(per_sm * _sms(c.device), triton.cdiv(max(n, 1), block)))
+    # registers capped so that per_sm programs fit one SM's 64 K registers (the loads in flight per SM
+    # are what reaches the bandwidth); the interpreter takes no launch options
+    opts = {} if _INTERPRET else {"maxnreg": min(255, REGS_PER_SM // (warps * 32 * per_sm)) // 8 * 8}
     return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
                            sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
                            hard_rel_l2 * hard_rel_l2, site_id, HAS_VALID=has_valid, BLOCK=block, VEC=vec, HIST=mode,
-                           PUBLISH=publish, FENCE=not _INTERPRET, NMETA=NMETA, num_warps=warps)
+                           PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
+                           SPEC=n <= SMALL_NUMEL, POS=n <= POS_NUMEL, num_warps=warps, **opts)
 
 
 def gated_copy(src: torch.Tensor, run_flag: torch.Tensor) -> torch.Tensor:
@@ -146,8 +162,10 @@ def gated_copy(src: torch.Tensor, run_flag: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = None) -> torch.Tensor:
-    """The raw statistics vector (device float64[NRAW]) of the fused kernels; for tests and benches."""
+def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = None, *,
+                    tile: tuple[int, int, int] | None = None, hist_mode: int | None = None) -> torch.Tensor:
+    """The raw statistics vector (device float64[NRAW]) of the fused kernels; for tests and benches
+    (``tile`` and ``hist_mode`` as in :func:`launch_stats`)."""
     dev = base.device
     sstate = torch.zeros(16, dtype=torch.int64, device=dev)
     sstate[0] = 1  # do_stats
@@ -155,7 +173,8 @@ def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = No
     rec = torch.zeros(1, REC, dtype=torch.float64, device=dev)
     launch_stats(cand, base, new_accumulator(dev), rec,
                  torch.zeros(1, dtype=torch.int64, device=dev), sstate,
-                 torch.zeros(8, dtype=torch.int64, device=dev), valid_rows=valid_rows, publish=False)
+                 torch.zeros(8, dtype=torch.int64, device=dev), valid_rows=valid_rows, publish=False,
+                 tile=tile, hist_mode=hist_mode)
     return rec[0, NMETA:]
 
 

@@ -1,5 +1,5 @@
 # mypy: allow-untyped-defs
-"""The fused diff-statistics pass on GPU (Triton), and the tiny control kernels of the graph path.
+"""The fused diff-statistics pass on GPU (Triton); the graph path's control kernels are in ``triton_control``.
 
 One launch per sampled call, no host synchronisation, no allocation (:func:`_stats_kernel`):
 
@@ -9,8 +9,8 @@ One launch per sampled call, no host synchronisation, no allocation (:func:`_sta
    tile loaded before the current one is reduced). The common case — every value finite — takes a
    fast path without masks or non-finite bookkeeping; a NaN / Inf anywhere in the program's tiles makes
    Σ|d| non-finite and the program redoes its tiles exactly (counts per side, candidate-only and
-   baseline-only positions). The log2 histogram is counted by warp ballots (inline PTX: each lane
-   counts the two bins it owns over the warp's 32 elements), or by ``tl.histogram`` in the interpreter.
+   baseline-only positions). The log2 histogram is counted per thread in shared memory (or by warp
+   ballots, or by ``tl.histogram`` in the interpreter: ``shadowd.hook.triton_hist``).
 2. every program folds its partials into the call site's accumulator row with device-scope atomics
    (fp64 sums, integer counts, maxima as bit patterns, max |d| and its first position as one int64
    key) and then takes a ticket; the program drawing the last ticket turns the row into the raw vector
@@ -50,9 +50,10 @@ from shadowd.hook.diffstats import (
     R_SUM_D2,
     TINY,
 )
-from shadowd.wire import HIST_BINS, HIST_EXP_MAX, HIST_EXP_MIN
+from shadowd.hook.triton_hist import HB, bins, hist_add, hist_add_fast, hist_declare, hist_final, hist_init
+from shadowd.wire import HIST_BINS
 
-__all__ = ["ACC", "ACC_WORDS", "control_kernel", "gate_kernel", "select_kernel", "stamp_kernel", "stats_kernel"]
+__all__ = ["ACC", "ACC_WORDS", "stats_kernel"]
 
 #: accumulator row (int64 words; the fp64 sums live in the 8 words after it, see ``ACC_WORDS``)
 ACC = 64
@@ -69,131 +70,62 @@ assert A_HIST + HIST_BINS <= ACC and NRAW <= 64 and HIST_BINS < 64
  F_C2, POS_MASK) = (tl.constexpr(v) for v in (A_KEY, A_REL, A_OUTS, A_NAN_B, A_INF_B, A_NAN_C, A_INF_C, A_CNF,
                                               A_BNF, A_TICKET, A_HIST, F_ABS, F_D2, F_B2, F_C2, POS_MASK))
 ACC_C = tl.constexpr(ACC)
-HB = tl.constexpr(64)  # histogram bins computed per tile (power of two); bin HB-1 collects masked lanes
 (R_MAX_ABS, R_MAX_POS, R_SUM_ABS, R_MAX_REL, R_SUM_D2, R_SUM_B2, R_SUM_C2, R_OUT_SCALE, R_NAN_B, R_INF_B,
- R_NAN_C, R_INF_C, R_CAND_NF, R_BASE_NF, R_NUMEL, R_N_CMP, R_HIST, NRAW, TINY, HIST_BINS, HIST_EXP_MIN,
- HIST_EXP_MAX) = (tl.constexpr(v) for v in (
-    R_MAX_ABS, R_MAX_POS, R_SUM_ABS, R_MAX_REL, R_SUM_D2, R_SUM_B2, R_SUM_C2, R_OUT_SCALE, R_NAN_B, R_INF_B,
-    R_NAN_C, R_INF_C, R_CAND_NF, R_BASE_NF, R_NUMEL, R_N_CMP, R_HIST, NRAW, TINY, HIST_BINS, HIST_EXP_MIN,
-    HIST_EXP_MAX))
-
-
-_ELEM = """
-and.b32 t, {x}, 1; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q0, p, 0xffffffff;
-and.b32 t, {x}, 2; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q1, p, 0xffffffff;
-and.b32 t, {x}, 4; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q2, p, 0xffffffff;
-and.b32 t, {x}, 8; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q3, p, 0xffffffff;
-and.b32 t, {x}, 16; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q4, p, 0xffffffff;
-and.b32 t, {x}, 32; setp.ne.b32 p, t, 0; vote.sync.ballot.b32 q5, p, 0xffffffff;
-xor.b32 q1, q1, m1; xor.b32 q2, q2, m2; xor.b32 q3, q3, m3; xor.b32 q4, q4, m4; xor.b32 q5, q5, m5;
-or.b32 t, q1, q2; or.b32 t, t, q3; or.b32 t, t, q4; or.b32 t, t, q5; not.b32 t, t;
-and.b32 u, t, q0; popc.b32 u, u; not.b32 q0, q0; and.b32 v, t, q0; popc.b32 v, v;
-shl.b32 u, u, 16; or.b32 {y}, v, u;
-"""
-#: Warp-level histogram of 6-bit bin indices, four elements per call: bit-plane ballots, then each lane
-#: counts the two bins it owns (2·lane and 2·lane + 1) over the warp's 32 elements; returned packed as
-#: count(2·lane) + 65536 · count(2·lane + 1). Every lane of the warp must execute it (uniform code).
-_BALLOT_HIST_ASM = (
-    "{\n.reg .pred p;\n.reg .b32 l, m1, m2, m3, m4, m5, q0, q1, q2, q3, q4, q5, t, u, v;\n"
-    "mov.u32 l, %laneid;\n"
-    "bfe.s32 m1, l, 0, 1; bfe.s32 m2, l, 1, 1; bfe.s32 m3, l, 2, 1; bfe.s32 m4, l, 3, 1; bfe.s32 m5, l, 4, 1;\n"
-    + "".join(_ELEM.format(x=f"${k + 4}", y=f"${k}") for k in range(4)) + "}"
-)
-BALLOT_HIST_ASM = tl.constexpr(_BALLOT_HIST_ASM)
+ R_NAN_C, R_INF_C, R_CAND_NF, R_BASE_NF, R_NUMEL, R_N_CMP, R_HIST, NRAW, TINY, HIST_BINS) = (
+    tl.constexpr(v) for v in (R_MAX_ABS, R_MAX_POS, R_SUM_ABS, R_MAX_REL, R_SUM_D2, R_SUM_B2, R_SUM_C2, R_OUT_SCALE,
+                              R_NAN_B, R_INF_B, R_NAN_C, R_INF_C, R_CAND_NF, R_BASE_NF, R_NUMEL, R_N_CMP, R_HIST,
+                              NRAW, TINY, HIST_BINS))
 
 
 @triton.jit
-def _ballot_counts(bn):
-    # [ROWS, VEC] bins -> [ROWS, VEC] packed per-slot counts of the holding lane's two bins
-    return tl.inline_asm_elementwise(BALLOT_HIST_ASM, "=r,=r,=r,=r,r,r,r,r", [bn], dtype=tl.int32,
-                                     is_pure=False, pack=4)
-
-
-@triton.jit
-def _lane_of_rows(like):
-    # the warp lane that holds each row of a [ROWS, VEC] tile: a row is one 16-byte vector, which Triton
-    # keeps in one thread (the GPU tests check the histogram for bf16, fp16 and fp32 outputs)
-    lid = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
-    return tl.max(lid, axis=1)
-
-
-@triton.jit
-def _hist_add(bn, ha, hb, HIST: tl.constexpr):
-    # HIST 1: tl.histogram of the flattened tile into ha [HB]; HIST 2: warp ballots (bins owned by
-    # lanes), per-row running counts of the two owned bins in ha / hb [ROWS]
-    if HIST == 2:
-        row = tl.sum(_ballot_counts(bn), axis=1)  # per field <= VEC * 32: no carry into the high field
-        ha += row & 0xFFFF
-        hb += row >> 16
-    else:
-        ha += tl.histogram(tl.reshape(bn, [bn.numel]), HB)
-    return ha, hb
-
-
-@triton.jit
-def _hist_init(ROWS: tl.constexpr, HIST: tl.constexpr):
-    n: tl.constexpr = ROWS if HIST == 2 else HB
-    return tl.zeros([n], tl.int32), tl.zeros([n], tl.int32)
-
-
-@triton.jit
-def _hist_final(ha, hb, lane2d, HIST: tl.constexpr):
-    # the program's histogram [HB]
-    if HIST == 2:
-        rl = _lane_of_rows(lane2d)
-        lanes = tl.arange(0, 32)
-        sel = rl[:, None] == lanes[None, :]
-        lo = tl.sum(tl.where(sel, ha[:, None], 0), axis=0)
-        hi = tl.sum(tl.where(sel, hb[:, None], 0), axis=0)
-        out = tl.reshape(tl.join(lo, hi), [HB])  # bin 2·lane + j
-    else:
-        out = ha
-    return out
-
-
-@triton.jit
-def _fast_update(c, b, lane, rem, t, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb,
-                 TAIL: tl.constexpr, HIST: tl.constexpr):
+def _fast_update(c, b, lane, cols, rem, t, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb,
+                 TAIL: tl.constexpr, HIST: tl.constexpr, NW: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr):
     # One [ROWS, VEC] tile, every value assumed finite: each thread owns whole rows of VEC contiguous
     # elements, so the axis-1 reductions stay inside the thread and the running state is per row.
     # ``lane`` indexes the tile; ``rem`` real elements remain from its start (the tail tile is partial).
+    # POS: ``best_t`` = tile · VEC + column of the row's first maximum (< 2^31: a tile has >= 2 rows),
+    # else the tile (the caller re-reads that vector: three instructions per element fewer). ASM: the GPU
+    # (approximate division, bins inside the histogram's PTX), else the interpreter.
     d = tl.abs(c - b)
     ab = tl.abs(b)
     # zero-filled lanes past the real elements never win the maximum
     dmax = tl.max(tl.where(lane < rem, d, -1.0), axis=1) if TAIL else tl.max(d, axis=1)
     better = dmax > best
     best = tl.where(better, dmax, best)
-    best_t = tl.where(better, t, best_t)
+    if POS:
+        vec: tl.constexpr = cols.numel
+        col = tl.min(tl.where(d == dmax[:, None], cols[None, :], vec), axis=1)  # the row's first maximum
+        best_t = tl.where(better, t * vec + col, best_t)
+    else:
+        best_t = tl.where(better, t, best_t)
     s_abs += tl.sum(d, axis=1)
     s_d2 += tl.sum(d * d, axis=1)
     s_b2 += tl.sum(b * b, axis=1)
     s_c2 += tl.sum(c * c, axis=1)
-    m_rel = tl.maximum(m_rel, tl.max(d / tl.maximum(ab, TINY), axis=1))
+    m_rel = tl.maximum(m_rel, tl.max(_ratio(d, tl.maximum(ab, TINY), ASM), axis=1))
     m_b = tl.maximum(m_b, tl.max(ab, axis=1))
     if HIST:
-        ha, hb = _hist_add(_bins(d, lane, rem, d == d, TAIL), ha, hb, HIST)
+        ha, hb = hist_add_fast(d, lane, rem, ha, hb, TAIL, HIST, NW)
     return best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb
 
 
 @triton.jit
-def _bins(d, lane, rem, cmp, TAIL: tl.constexpr):
-    # log2 bin of |d| >= 0 from its exponent bits: 0 for exact zero, then floor(log2) clipped;
-    # HIST_BINS - 1 for positions not compared, HB - 1 (dropped) past the real elements
-    bits = d.to(tl.int32, bitcast=True)
-    e = tl.minimum(tl.maximum(bits >> 23, HIST_EXP_MIN + 127), HIST_EXP_MAX + 127) - (HIST_EXP_MIN + 126)
-    bn = tl.where(bits == 0, 0, e)
-    bn = tl.where(cmp, bn, HIST_BINS - 1)
-    if TAIL:
-        bn = tl.where(lane < rem, bn, HB - 1)
-    return bn
+def _ratio(x, y, ASM: tl.constexpr):
+    # x / y: div.approx.f32 on the GPU (two instructions; y >= TINY here), exact in the interpreter
+    if ASM:
+        r = tl.inline_asm_elementwise("div.approx.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        r = x / y
+    return r
 
 
 @triton.jit
 def _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, EXACT: tl.constexpr, BLOCK: tl.constexpr,
                VEC: tl.constexpr):
-    # (max |d|, its first flat position) of this program: the rows holding the maximum re-read the
-    # one vector where they first reached it and take its first maximal element (exactly the same
-    # arithmetic as the pass, so the comparison is exact).
+    # (max |d|, its first flat position) of a pass that kept the tile of each row's maximum: the rows
+    # holding the maximum re-read the one vector where they first reached it and take its first
+    # maximal element (exactly the same arithmetic as the pass, so the comparison is exact).
     top = tl.max(best, axis=0)
     hit = (best == top) & (best >= 0)
     offs = best_t.to(tl.int64)[:, None] * BLOCK + rows[:, None] * VEC + cols[None, :]
@@ -224,7 +156,8 @@ def _sums(s_abs, s_d2, s_b2, s_c2):
 
 
 @triton.jit
-def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr):
+def _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static, BLOCK: tl.constexpr, VEC: tl.constexpr,
+               HIST: tl.constexpr, NW: tl.constexpr, SPEC: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr):
     # The common case, every value finite: no masks on full tiles (vectorised loads, the next tile
     # loaded before the current one is reduced), no non-finite bookkeeping. A NaN or Inf anywhere (or
     # an overflowing |d|) makes Σ|d| non-finite, and the caller then redoes the program exactly.
@@ -233,12 +166,15 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constex
     cols = tl.arange(0, VEC)
     lane = rows[:, None] * VEC + cols[None, :]
     best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b = _row_state(ROWS)
-    ha, hb = _hist_init(ROWS, HIST)
+    ha, hb = hist_init(ROWS, HIST, NW)
     # addresses: one scalar base per tile plus the tile's (constant) int32 lane offsets
     nfull = (n // BLOCK).to(tl.int32)
     t = pid
-    # t < nfull, as a per-lane mask that is uniform per tile (the loads stay vectorised)
-    go = lane < (nfull - t).to(tl.int64) * BLOCK
+    # t < nfull, as a per-lane mask that is uniform per tile (the loads stay vectorised). SPEC (small
+    # outputs): the first tile's load is bounded by the static size only, so it does not wait for the
+    # real count and the call's decision to arrive from memory (a tile loaded past them is not used;
+    # on unsampled calls that is wasted reading, hence small outputs only)
+    go = lane < ((n_static if SPEC else n) // BLOCK - t).to(tl.int64) * BLOCK
     base = tl.cast(t, tl.int64) * BLOCK
     c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
     b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
@@ -252,7 +188,8 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constex
         c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
         b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
         best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
-            c, b, lane, BLOCK, tt, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, False, HIST)
+            c, b, lane, cols, BLOCK, tt, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, False, HIST, NW,
+            POS, ASM)
     if nfull % nprog == pid:  # noqa: SIM102 - the partial last tile, if any, is the next program's
         if nfull.to(tl.int64) * BLOCK < n:
             base = nfull.to(tl.int64) * BLOCK
@@ -261,13 +198,22 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constex
             c = tl.load(c_ptr + base + lane, mask=m, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + base + lane, mask=m, other=0.0).to(tl.float32)
             best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
-                c, b, lane, rem, nfull, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, True, HIST)
-    top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, False, BLOCK, VEC)
-    return top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, _hist_final(ha, hb, lane, HIST)
+                c, b, lane, cols, rem, nfull, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, True, HIST,
+                NW, POS, ASM)
+    # (max |d|, its first flat position) of this program: from the rows' first maxima (POS, small
+    # outputs: no second read on the latency path) or by re-reading the vectors that hold them
+    if POS:
+        top = tl.max(best, axis=0)
+        at = (best_t // VEC).to(tl.int64) * BLOCK + rows * VEC + best_t % VEC
+        pos = tl.min(tl.where((best == top) & (best >= 0), at, 9223372036854775807), axis=0)
+    else:
+        top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, False, BLOCK, VEC)
+    return top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist_final(ha, hb, lane, HIST, NW)
 
 
 @triton.jit
-def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr):
+def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
+                NW: tl.constexpr):
     # Every definition of shadowd.hook.diffstats, non-finite values included (compared positions only
     # in the sums and maxima; NaN / Inf counts per side; candidate-only and baseline-only positions).
     ROWS: tl.constexpr = BLOCK // VEC
@@ -281,7 +227,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
     inf_c = tl.zeros([ROWS], tl.int32)
     c_only = tl.zeros([ROWS], tl.int32)
     b_only = tl.zeros([ROWS], tl.int32)
-    ha, hb = _hist_init(ROWS, HIST)
+    ha, hb = hist_init(ROWS, HIST, NW)
     ntiles = tl.cdiv(n, BLOCK).to(tl.int32)
     for t in range(pid, ntiles, nprog):
         base = tl.cast(t, tl.int64) * BLOCK
@@ -314,9 +260,9 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
         c_only += tl.sum((m & fb & (~fc)).to(tl.int32), axis=1)
         b_only += tl.sum((m & fc & (~fb)).to(tl.int32), axis=1)
         if HIST:
-            ha, hb = _hist_add(_bins(d, lane, rem, cmp, True), ha, hb, HIST)
+            ha, hb = hist_add(bins(d, lane, rem, cmp, True, False), ha, hb, HIST, NW)
     top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, True, BLOCK, VEC)
-    hist = _hist_final(ha, hb, lane, HIST)
+    hist = hist_final(ha, hb, lane, HIST, NW)
     # counts in accumulator order from A_NAN_B: nan_b, inf_b, nan_c, inf_c, cand-only, base-only, 0, 0
     # (tl.join adds its new axis last, so nested joins interleave: this operand order flattens to it)
     z = nan_b * 0
@@ -330,9 +276,11 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
 def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_numel, sstate_ptr, rec_ptr, seq_ptr,
                   ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id,
                   HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
-                  PUBLISH: tl.constexpr, FENCE: tl.constexpr, NMETA: tl.constexpr):
+                  PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr, NW: tl.constexpr,
+                  SPEC: tl.constexpr, POS: tl.constexpr):
     # Phase 1 (every program): a grid-stride pass over its tiles of the real elements (their count
     # read from device memory): fp32 per-row sums and maxima, a per-program log2 histogram.
+    hist_declare(HIST, NW)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = n_static.to(tl.int64)
@@ -340,12 +288,13 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
         n = tl.minimum(tl.load(valid_ptr).to(tl.int64) * row_numel, n)
     go = tl.load(sstate_ptr) != 0  # do_stats, decided by the control kernel (or the host)
     n = tl.where(go, n, 0)
-    top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK, VEC, HIST)
+    top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static.to(tl.int64),
+                                                                     BLOCK, VEC, HIST, NW, SPEC, POS, GPU)
     sums = _sums(s_abs, s_d2, s_b2, s_c2)
     counts = tl.zeros([8], tl.int64)
     if not (tl.sum(sums, axis=0) < float("inf")):  # a non-finite value in this program's tiles: redo exactly
         top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts = _exact_pass(c_ptr, b_ptr, pid, nprog, n,
-                                                                                  BLOCK, VEC, HIST)
+                                                                                  BLOCK, VEC, HIST, NW)
         sums = _sums(s_abs, s_d2, s_b2, s_c2)
 
     # Phase 2 (every program that saw data): fold its partials into the accumulator row with
@@ -368,21 +317,22 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
             hb = tl.arange(0, HB)
             tl.atomic_add(acc_ptr + A_HIST + hb, hist.to(tl.int64), mask=(hb < HIST_BINS) & (hist != 0),
                           sem="relaxed")
-    # every thread's atomics are ordered before this program's ticket (fence + CTA barrier, then a
-    # release); the program that draws the last ticket acquires them all and finishes the call
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(acc_ptr + A_TICKET, 1, sem="acq_rel")
-    if ticket == nprog - 1:
-        _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
-                hard_scaled, hard_rel_l2_sq, site_id, PUBLISH, FENCE, NMETA)
+    # every thread's atomics are ordered before this program's ticket: a CTA barrier, then the ticket's
+    # gpu-scope release by one thread (cumulative: it covers what the barrier ordered before it, as in
+    # the CUDA grid-sync pattern); the program that draws the last ticket acquires them all and finishes.
+    # An unsampled call (the decision word is 0) added nothing and takes no ticket: its programs end here
+    # instead of queueing on one atomic (the row and the ticket count stay zero for the next call).
+    if go:
+        tl.debug_barrier()
+        ticket = tl.atomic_add(acc_ptr + A_TICKET, 1, sem="acq_rel")
+        if ticket == nprog - 1:
+            _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
+                    hard_scaled, hard_rel_l2_sq, site_id, PUBLISH, GPU, NMETA)
 
 
 @triton.jit
 def _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr, hard_scaled,
-            hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, FENCE: tl.constexpr, NMETA: tl.constexpr):
+            hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr):
     # The last program: the raw vector (layout of shadowd.hook.diffstats) from the accumulator row
     # (L2 reads: the other programs' atomics live there), which it then resets for the next call
     # (stream order makes plain stores enough); the on-mode hard-failure check (sticky device fallback
@@ -466,7 +416,7 @@ def _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, r
                 # every record store above happens-before the sequence number: CTA barrier, then a
                 # system-scope fence whose output the store depends on (no host atomics needed)
                 tl.debug_barrier()
-                if FENCE:
+                if GPU:
                     pub_seq = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [seq + 1],
                                                         dtype=tl.int64, is_pure=False, pack=1)
                     tl.store(seq_ptr + slot, pub_seq)
@@ -474,89 +424,4 @@ def _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, r
                     tl.store(seq_ptr + slot, seq + 1)
 
 
-@triton.jit(do_not_specialize=["first_layer", "max_t", "max_l", "host_decides", "host_do_stats",
-                               "host_use_cand", "host_step", "bs", "t", "plen"])
-def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, max_t, max_l,
-                    host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
-                    USE_TIMER: tl.constexpr, GATED: tl.constexpr):
-    # hctrl (pinned host, written by Python at any time): [mode, sample_n, spot_n, disabled, fallback]
-    mode = tl.load(hctrl_ptr, volatile=True)
-    sample_n = tl.maximum(tl.load(hctrl_ptr + 1, volatile=True), 1)
-    spot_n = tl.maximum(tl.load(hctrl_ptr + 2, volatile=True), 1)
-    disabled = tl.load(hctrl_ptr + 3, volatile=True) != 0
-    fallback = (tl.load(hctrl_ptr + 4, volatile=True) != 0) | (tl.load(dstate_ptr + 3) != 0)
-    step = tl.load(dstate_ptr) + first_layer
-    if host_decides != 0:  # eager: the host's step counter is the truth (replays continue from it)
-        step = host_step.to(tl.int64)
-    tl.store(dstate_ptr, step)
-    call = tl.load(dstate_ptr + 1) + 1
-    tl.store(dstate_ptr + 1, call)
-    if HAS_META:
-        bs_v = tl.load(meta_ptr).to(tl.int64)
-        t_v = tl.load(meta_ptr + 1).to(tl.int64)
-        l_v = tl.load(meta_ptr + 2).to(tl.int64)
-    else:
-        bs_v = bs.to(tl.int64)
-        t_v = t.to(tl.int64)
-        l_v = plen.to(tl.int64)
-    tl.store(sstate_ptr + 9, bs_v)
-    tl.store(sstate_ptr + 10, t_v)
-    tl.store(sstate_ptr + 11, l_v)
-    covered = (t_v <= max_t) & (l_v <= max_l)
-    ok = (~disabled) & (~fallback)
-    use_cand = (mode == 2) & ok & covered
-    sampled = (step % sample_n) == 0
-    spot = (step % spot_n) == 0
-    publish = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
-    # Under a graph, on mode: the candidate is checked against the baseline on spot-check replays only;
-    # on the others the baseline's work is gated to nothing (run_base 0, read by the gate kernel when
-    # the call site has a baseline gate) and, without a gate, it still runs and every call is checked
-    # before its output is chosen.
-    run_base = (~use_cand) | publish
-    do_stats = publish if GATED else publish | use_cand
-    if host_decides != 0:
-        do_stats = host_do_stats != 0
-        publish = do_stats
-        use_cand = host_use_cand != 0
-    run_base = run_base | (host_decides != 0)
-    tl.store(sstate_ptr, do_stats.to(tl.int64))
-    tl.store(sstate_ptr + 1, use_cand.to(tl.int64))
-    tl.store(sstate_ptr + 12, publish.to(tl.int64))
-    tl.store(sstate_ptr + 13, run_base.to(tl.int64))
-    tl.store(sstate_ptr + 3, mode)
-    tl.store(sstate_ptr + 4, step)
-    tl.store(sstate_ptr + 5, call)
-    if USE_TIMER:
-        tl.store(sstate_ptr + 6, tl.extra.cuda.globaltimer().to(tl.int64))
-
-
-@triton.jit(do_not_specialize=["n"])
-def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, BLOCK: tl.constexpr):
-    # dst = src when the baseline must run this call (sstate[13]), else zeros (work sizes of nothing)
-    run = tl.load(sstate_ptr + 13) != 0
-    offs = tl.arange(0, BLOCK)
-    m = offs < n
-    v = tl.load(src_ptr + offs, mask=m, other=0)
-    tl.store(dst_ptr + offs, tl.where(run, v, 0), mask=m)
-
-
-@triton.jit(do_not_specialize=["idx"])
-def _stamp_kernel(sstate_ptr, idx, USE_TIMER: tl.constexpr):
-    if USE_TIMER:
-        tl.store(sstate_ptr + idx, tl.extra.cuda.globaltimer().to(tl.int64))
-
-
-@triton.jit(do_not_specialize=["n"])
-def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, BLOCK: tl.constexpr):
-    use = (tl.load(sstate_ptr + 1) != 0) & (tl.load(dstate_ptr + 3) == 0)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    v = tl.load(c_ptr + offs, mask=m) if use else tl.load(b_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, v, mask=m)
-
-
 stats_kernel = _stats_kernel
-gate_kernel = _gate_kernel
-control_kernel = _control_kernel
-stamp_kernel = _stamp_kernel
-select_kernel = _select_kernel

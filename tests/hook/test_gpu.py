@@ -63,6 +63,37 @@ def test_gpu_fused_stats_match_float64(shape: tuple[int, ...], dtype: torch.dtyp
     assert got2["max_pos"] == ref2["max_pos"]
 
 
+TILE_MODES = [((4096, 8, 2), 3), ((1024, 4, 4), 3), ((2048, 8, 2), 3), ((512, 1, 8), 3), ((1024, 2, 8), 3),
+              ((4096, 8, 2), 4), ((2048, 4, 4), 4), ((4096, 8, 2), 5), ((2048, 4, 4), 5), ((8192, 16, 1), 5),
+              ((512, 1, 8), 5), ((8192, 16, 1), 2), ((4096, 8, 2), 2), ((4096, 8, 2), 1)]
+
+
+@pytest.mark.parametrize("tile,hist_mode", TILE_MODES)
+def test_gpu_every_tile_and_histogram_mode_match(tile: tuple[int, int, int], hist_mode: int) -> None:
+    """Every statistic, the histogram included, is the same for every tile shape and histogram mode the
+    bench tries: the fast path (all finite) and the exact redo (NaN / Inf in some programs' tiles)."""
+    from shadowd.hook.device import fused_raw_stats
+
+    g = torch.Generator().manual_seed(tile[0] + hist_mode)
+    b = torch.randn(301, 16, 512, generator=g).to(torch.bfloat16)  # a partial last tile for every tile size
+    c = (b.float() + 1e-2 * torch.randn(b.shape, generator=g)).to(torch.bfloat16)
+    c.view(-1)[:5000] = b.view(-1)[:5000]  # exact zeros: bin 0
+    c.view(-1)[7777] += 64.0  # one large difference: a top bin and a unique max position
+    for planted in (False, True):
+        cc, bb = c.clone(), b.clone()
+        if planted:
+            plant(bb, g, 4, float("nan"))
+            plant(cc, g, 3, float("inf"))
+        raw = fused_raw_stats(cc.cuda(), bb.cuda(), tile=tile, hist_mode=hist_mode)
+        torch.cuda.synchronize()
+        got = finalize(raw.cpu().tolist())
+        ref = stats_torch(cc, bb)
+        check(got, {k: v for k, v in ref.items() if k != "max_pos"})
+        assert sum(got["hist"]) == cc.numel()
+        if not planted:
+            assert got["max_pos"] == ref["max_pos"] == 7777
+
+
 def test_gpu_padded_rows_excluded() -> None:
     b = torch.randn(40, 8, 64, device="cuda").to(torch.bfloat16)
     c = b.clone()

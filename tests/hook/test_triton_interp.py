@@ -2,7 +2,7 @@
 
 Runs in a subprocess (the interpreter is chosen when kernels are defined). CUDA-only calls are stood in
 for (pinned memory → plain tensors, one fake device); the system fence and timers are compiled out
-(FENCE/USE_TIMER), everything else — statistics, ring records, sampling, spot checks, the sticky
+(GPU/USE_TIMER), everything else — statistics, ring records, sampling, spot checks, the sticky
 fallback and the kill switch word — is the kernels' own code. Skipped when Triton is not installed.
 """
 

@@ -104,6 +104,9 @@ def test_workspace_and_splits_helpers():
     s = mla_tree_verify.choose_num_splits(1, 16, 8, 32768, 132)
     assert 1 <= s <= 128
     assert mla_tree_verify.choose_num_splits(4, 64, 64, 32768, 132) == 1
+    # one wave of CTAs for the library's rows per CTA: 16 drafts x 8 heads = 2 row tiles of 64, 4 of 32
+    assert mla_tree_verify.choose_num_splits(1, 16, 8, 32768, 132) == 66
+    assert mla_tree_verify.choose_num_splits(1, 16, 8, 32768, 132, block_m=32) == 33
     assert mla_tree_verify.decode_error_flag(5) == [
         mla_tree_verify.ERROR_BITS[1],
         mla_tree_verify.ERROR_BITS[4],

@@ -1,4 +1,6 @@
-// MLA tree-verify attention: device code shared by the sm_120 and sm_90 builds.
+// MLA tree-verify attention: device code shared by the sm_120 and sm_90 builds (helpers, the combine
+// kernel, and the v1 forward kernel described below; the default forward kernel is v2, see
+// tree_verify_kernel_v2.cuh).
 //
 // One CTA = (KV split, 32-row tile of one request's (draft token, head) rows, request).
 // All heads share the latent KV, so a CTA multiplies up to 32 query rows (T*H rows of the
@@ -18,11 +20,17 @@
 
 #include "mla_tree_verify.h"
 
+// The default schedule is variant 2 (tree_verify_kernel_v2.cuh: 64 query rows per CTA, measured
+// 1.1-2.1x faster than v1 on the H200, bench/results/verify-2026-11-30.md); -DMTV_V1 builds the
+// previous 32-row schedule for comparison.
+#if !defined(MTV_V1) && !defined(MTV_V2)
+#define MTV_V2
+#endif
+
 namespace mtv {
 
 constexpr int D_QK = 576;
 constexpr int D_V = 512;
-constexpr int BM = 32;                  // query rows per CTA
 constexpr int BN = 32;                  // KV rows per tile
 constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
@@ -30,16 +38,20 @@ constexpr int MAX_SPLITS = 128;
 constexpr int CHUNKS_PER_ROW = D_QK / 8;  // 16-byte chunks per 576-wide row
 constexpr int KV_STRIDE = D_QK + 8;       // smem row pitch in bf16 (pad: conflict-free ldmatrix)
 constexpr int KV_TILE_BYTES = BN * KV_STRIDE * 2;
+constexpr int RING = 3;  // KV row-address ring: tile i's addresses are fetched at iteration i-2
+constexpr int ROWPTR_BYTES = RING * BN * 8;
+#ifndef MTV_V2
+// v1 schedule (-DMTV_V1); the default is tree_verify_kernel_v2.cuh (BM = 64).
+constexpr int BM = 32;                  // query rows per CTA
 constexpr int SRED_STRIDE = BN + 8;  // float2 stores and float4 loads conflict-free
 constexpr int SRED_BYTES = 4 * BM * SRED_STRIDE * 4;
 constexpr int P_STRIDE = BN + 8;
 constexpr int P_BYTES = BM * P_STRIDE * 2;
 constexpr int STAT_BYTES = 4 * BM * 4 + 16;
-constexpr int RING = 3;  // KV row-address ring: tile i's addresses are fetched at iteration i-2
-constexpr int ROWPTR_BYTES = RING * BN * 8;
 constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + SRED_BYTES + P_BYTES + ROWPTR_BYTES + STAT_BYTES;
 static_assert(BM == BN, "Q staging reuses a KV tile buffer");
 static_assert(KV_TILE_BYTES % 128 == 0 && SRED_BYTES % 16 == 0 && P_BYTES % 16 == 0, "alignment");
+#endif
 
 enum ErrorBits : int32_t {
   ERR_KV_SLOT_RANGE = 1,   // kv_indices entry outside [0, num_slots): clamped
@@ -173,6 +185,7 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* buf, const __nv_bflo
   static_assert((BN * CHUNKS_PER_ROW) % NTHREADS == 0, "tile chunks divide threads");
 }
 
+#ifndef MTV_V2
 __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* kvbuf0 = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -481,6 +494,12 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   }
 }
 
+#else
+}  // namespace mtv
+#include "tree_verify_kernel_v2.cuh"
+namespace mtv {
+#endif  // MTV_V2
+
 // Combine the per-split partial results of one (token, head) row.  128 threads x 4 columns.
 __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
   __shared__ float lse_s[MAX_SPLITS];
@@ -520,6 +539,7 @@ __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
   const int col = threadIdx.x * 4;
+#ifdef MTV_COMBINE_SERIAL
   for (int s = 0; s < active; ++s) {
     float v = lse_s[s];
     if (v == -INFINITY) continue;  // split saw nothing: its partial is exactly 0
@@ -528,6 +548,33 @@ __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
     acc.x += w * o.x; acc.y += w * o.y; acc.z += w * o.z; acc.w += w * o.w;
     wsum += w;
   }
+#else
+  // The partials of COMBINE_BATCH splits are loaded before any is used (independent loads in
+  // flight instead of one L2 round trip per split), then summed in split order: bit-identical
+  // to the serial loop (MTV_COMBINE_SERIAL).
+  constexpr int COMBINE_BATCH = 8;
+  const float* wbase = a.workspace + rowg * D_V + col;
+  for (int s0 = 0; s0 < active; s0 += COMBINE_BATCH) {
+    float4 o[COMBINE_BATCH];
+#pragma unroll
+    for (int k = 0; k < COMBINE_BATCH; ++k) {
+      const int s = s0 + k;
+      o[k] = (s < active && lse_s[s] != -INFINITY)
+                 ? __ldcs(reinterpret_cast<const float4*>(wbase + (int64_t)s * R * D_V))
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int k = 0; k < COMBINE_BATCH; ++k) {
+      const int s = s0 + k;
+      if (s >= active) break;
+      const float v = lse_s[s];
+      if (v == -INFINITY) continue;  // split saw nothing: its partial is exactly 0
+      const float w = exp2f(v - mx);
+      acc.x += w * o[k].x; acc.y += w * o[k].y; acc.z += w * o[k].z; acc.w += w * o[k].w;
+      wsum += w;
+    }
+  }
+#endif
   const float inv = wsum > 0.f ? 1.f / wsum : (wsum == 0.f ? 0.f : wsum);
   if (nan) acc.x = acc.y = acc.z = acc.w = __int_as_float(0x7fffffff);
   __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(a.o) + tok * a.o_s0 + (int64_t)h * a.o_s1 + col;

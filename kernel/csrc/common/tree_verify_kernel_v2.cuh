@@ -1,0 +1,461 @@
+// MLA tree-verify attention, forward kernel variant 2 (the default; -DMTV_V1 selects v1).
+// Included by tree_verify_kernel.cuh after the shared helpers (Req, load_req, split_chunk,
+// draft_visible, fetch_slot / row_ptr, load_kv_tile, ldmatrix / mma wrappers); the combine
+// kernel, the host ABI, the workspace layout and the KV split rule are those of v1.
+//
+// One CTA = (KV split, 64-row tile of one request's (draft token, head) rows, request):
+// twice the rows of v1 per pass over the KV slice, so every KV tile carries 2x the math and
+// each query row streams half the KV bytes.
+//
+// Q (64 x 576 bf16 = 73.7 KB) lives in registers only (72 regs/thread), loaded straight from
+// global memory in mma A-fragment layout: no smem staging, no wait before the first KV tile.
+// Shared memory: 2 KV stages (2 x 37.4 KB), 16 KB S-partial exchange, P (5 KB), ring, stats.
+//
+// Per KV tile (BN = 32 rows), 8 warps:
+//   S   warp w -> m16 row tile smi = w>>1, K half kh = w&1 (288 columns, 18 k-steps):
+//       18 x (2 ldmatrix.x4 + 4 mma); partial S (16 x 32 fp32, 16 regs) exchanged with the
+//       partner warp (w^1) through smem (one 64-thread named barrier); both warps then hold the
+//       full 16 x 32 S (same fp32 sums, a+b == b+a) and compute the same row max, but each
+//       exponentiates and stores only its own 16 columns of P (bf16).
+//   PV  warp w -> V columns w*64 .. +64 for all 64 rows (O: 4 x 8 m16n8 tiles, 128 regs):
+//       per k16 step 4 ldmatrix.x4.trans (V) + 4 ldmatrix.x4 (P) + 32 mma.
+//   per warp per tile: 136 mma, 52 ldmatrix (36 K + 8 V + 8 P), 2 barriers (1 CTA-wide after
+//   the cp.async wait, 1 CTA-wide before P.V) + 1 pair barrier; v1: 68 mma, 38 ldmatrix,
+//   3 barriers per tile.  m16 row tiles with no live row (T*H - row0 < 64) are skipped in both
+//   phases (warp-uniform), so T*H <= 32 does no more math than v1.
+// Draft tiles (holding rows >= L): the pair barrier becomes a CTA barrier so that non-finite V
+// values can be zeroed in smem after every warp's S reads and before P.V (exact masking as in
+// v1), and padded rows j >= kend get their V part zeroed (defensive: P is 0 there anyway).
+#pragma once
+#include "tree_verify_kernel.cuh"
+
+namespace mtv {
+
+constexpr int BM = 64;                        // query rows per CTA (4 m16 tiles)
+constexpr int QK_HALF_STEPS = D_QK / 32;      // 18 k16 steps per K half
+constexpr int P_STRIDE = BN + 8;              // 80 B rows: conflict-free ldmatrix
+constexpr int P_BYTES = BM * P_STRIDE * 2;    // 5120
+constexpr int XCH_BYTES = NWARPS * 4 * 32 * 16;  // per warp 4 float4 per lane: 16384
+constexpr int STAT_BYTES = (BM + 2 * BM + BM) * 4 + 16 + 32;  // alpha, l (per K half), m, flag, Req
+constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES + STAT_BYTES;
+static_assert(KV_TILE_BYTES % 128 == 0 && XCH_BYTES % 16 == 0 && P_BYTES % 16 == 0, "alignment");
+static_assert(D_QK % 32 == 0 && BN == 32 && NWARPS == 8 && D_V == NWARPS * 64, "v2 warp layout");
+static_assert(SMEM_BYTES <= 101376, "v2 must fit the sm_120 shared-memory budget");
+
+__device__ __forceinline__ void ldsm_x4_a(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t_a(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// Barrier of the two warps (64 threads) of m16 row tile smi: ids 1..4 (0 = __syncthreads).
+__device__ __forceinline__ void pair_sync(int smi) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(smi + 1), "r"(64) : "memory");
+}
+__device__ __forceinline__ uint32_t ldg_u32(const __nv_bfloat16* p) {
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+}
+__device__ __forceinline__ void sts_f4(uint32_t addr, const float (&v)[4]) {
+  asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+               : "memory");
+}
+__device__ __forceinline__ float4 lds_f4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+// Issue cp.async for one BN x 576 KV tile at smem byte address buf (rows from rowptr; nullptr:
+// zero-fill).  Thread -> row tid/8, 16-byte chunks (tid%8) + 8k: one row address per thread and
+// constant strides, so nothing per chunk stays live across the main loop (v1's mapping made
+// ptxas keep 9 address pairs alive).  Each warp instruction copies 4 rows x 128 contiguous bytes.
+__device__ __forceinline__ void load_kv_tile_v2(uint32_t buf, const __nv_bfloat16* const* rowptr,
+                                                const void* dummy) {
+  static_assert(BN * 8 == NTHREADS && CHUNKS_PER_ROW % 8 == 0, "v2 tile loader mapping");
+  const int i = threadIdx.x >> 3, c0 = threadIdx.x & 7;
+  const __nv_bfloat16* src = rowptr[i];
+  const uint32_t dst = buf + (uint32_t)((i * KV_STRIDE + c0 * 8) * 2);
+  const int sz = src != nullptr ? 16 : 0;
+  const char* sp = src != nullptr ? reinterpret_cast<const char*>(src + c0 * 8) : reinterpret_cast<const char*>(dummy);
+  const int step = src != nullptr ? 128 : 0;
+#pragma unroll
+  for (int k = 0; k < CHUNKS_PER_ROW / 8; ++k)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + k * 128), "l"(sp + k * step), "r"(sz));
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __nv_bfloat16* kvbuf0 = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* kvbuf1 = kvbuf0 + BN * KV_STRIDE;
+  float* xch = reinterpret_cast<float*>(smem + 2 * KV_TILE_BYTES);
+  __nv_bfloat16* psm = reinterpret_cast<__nv_bfloat16*>(smem + 2 * KV_TILE_BYTES + XCH_BYTES);
+  const __nv_bfloat16** rowptr_sm =
+      reinterpret_cast<const __nv_bfloat16**>(smem + 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES);
+  float* alpha_sm = reinterpret_cast<float*>(smem + 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES);
+  float* l_sm = alpha_sm + BM;  // [2][BM]: row sums of the two K-half warps
+  float* m_sm = l_sm + 2 * BM;
+  uint32_t* flag_sm = reinterpret_cast<uint32_t*>(m_sm + BM);
+  Req* rq_sm = reinterpret_cast<Req*>(flag_sm + 4);  // the request, re-read from smem inside the loop
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int split = blockIdx.x, mt = blockIdx.y, b = blockIdx.z;
+  const int H = a.heads;
+  const bool reporter = (split == 0 && mt == 0 && tid == 0);
+  const Req rq = load_req(a, b, reporter);
+  const int M = rq.T * H;
+  if (mt == (int)gridDim.y - 1 && split == 0 && tid == 0 && M > (int)gridDim.y * BM)
+    set_err(a.error_flag, ERR_Q_TILES);
+  const int row0 = mt * BM;
+  if (row0 >= M) return;
+  const int Ltot = rq.L + rq.T;
+  const int chunk = split_chunk(Ltot, a.num_splits);
+  const int kbeg = split * chunk;
+  if (kbeg >= Ltot) return;
+  const int kend = min(Ltot, kbeg + chunk);
+  const int ntiles = (kend - kbeg + BN - 1) / BN;
+  const int nmi = min(4, (M - row0 + 15) >> 4);  // m16 row tiles holding at least one live row
+
+  // ---- row addresses of tiles 0 and 1 -> ring (tile 2's index load stays in flight); tile 0 -> kvbuf0
+  int64_t pending = 0;
+  if (tid == 0) *rq_sm = rq;
+  if (tid < BN) {
+    int64_t s0 = fetch_slot(a, rq, kbeg + tid, kend), s1 = fetch_slot(a, rq, kbeg + BN + tid, kend);
+    pending = fetch_slot(a, rq, kbeg + 2 * BN + tid, kend);
+    rowptr_sm[tid] = row_ptr(a, rq, kbeg + tid, kend, s0);
+    rowptr_sm[BN + tid] = row_ptr(a, rq, kbeg + BN + tid, kend, s1);
+  }
+  __syncthreads();
+  load_kv_tile_v2(smem_u32(kvbuf0), rowptr_sm, a.kv_buffer);
+  cp_async_commit();
+
+  // ---- S-phase role and Q fragments (global -> registers, A-fragment layout of m16n8k16)
+  const int smi = warp >> 1, kh = warp & 1;
+  const int g = lane >> 2, c4 = lane & 3;
+  const bool s_active = smi < nmi;  // warp-uniform (both warps of a pair agree)
+  const int rA = row0 + smi * 16 + g, rB = rA + 8;
+  const bool vA = rA < M, vB = rB < M;
+  const int tA = vA ? rA / H : -1, tB = vB ? rB / H : -1;  // draft token of the row, -1: no row
+  uint32_t qf[QK_HALF_STEPS][4];
+  {
+    const __nv_bfloat16* qp = reinterpret_cast<const __nv_bfloat16*>(a.q);
+    const int ta = max(tA, 0), tb = max(tB, 0);
+    const __nv_bfloat16* qa = qp + (rq.q_start + ta) * a.q_s0 + (int64_t)(rA - ta * H) * a.q_s1 + kh * 288 + 2 * c4;
+    const __nv_bfloat16* qb = qp + (rq.q_start + tb) * a.q_s0 + (int64_t)(rB - tb * H) * a.q_s1 + kh * 288 + 2 * c4;
+#pragma unroll
+    for (int ks = 0; ks < QK_HALF_STEPS; ++ks) {
+      qf[ks][0] = (s_active && vA) ? ldg_u32(qa + ks * 16) : 0u;
+      qf[ks][1] = (s_active && vB) ? ldg_u32(qb + ks * 16) : 0u;
+      qf[ks][2] = (s_active && vA) ? ldg_u32(qa + ks * 16 + 8) : 0u;
+      qf[ks][3] = (s_active && vB) ? ldg_u32(qb + ks * 16 + 8) : 0u;
+    }
+  }
+
+  float o_acc[4][8][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) o_acc[mi][n][0] = o_acc[mi][n][1] = o_acc[mi][n][2] = o_acc[mi][n][3] = 0.f;
+  // online-softmax state of rows rA / rB (identical in both warps of a pair); l is this
+  // thread's partial sum over its own columns (reduced over quad and pair at the end)
+  float m_run0 = -INFINITY, m_run1 = -INFINITY, l_run0 = 0.f, l_run1 = 0.f;
+  const float sc = a.sm_scale * 1.4426950408889634f;
+
+  // per-lane smem byte offsets of the ldmatrix sources
+  const uint32_t kv_base = smem_u32(kvbuf0);
+  // S: K rows (n) lane-dependent, K columns kh*288 + ks*16 (+8 for lanes 8-15 / 24-31)
+  const uint32_t k_off = (uint32_t)((((lane >> 4) * 8 + (lane & 7)) * KV_STRIDE + kh * 288 + ((lane >> 3) & 1) * 8) * 2);
+  // PV: V rows (k) lane-dependent, V columns warp*64 + np*16 (+8 for lanes 16-31)
+  const uint32_t v_off = (uint32_t)((((lane & 7) + ((lane >> 3) & 1) * 8) * KV_STRIDE + warp * 64 + (lane >> 4) * 8) * 2);
+  const uint32_t p_addr = smem_u32(psm) + (uint32_t)(((lane & 15) * P_STRIDE + (lane >> 4) * 8) * 2);
+  const uint32_t xch_mine = smem_u32(xch) + (uint32_t)((warp * 4 * 32 + lane) * 16);
+  const uint32_t xch_peer = smem_u32(xch) + (uint32_t)(((warp ^ 1) * 4 * 32 + lane) * 16);
+
+  cp_async_wait_all();
+  __syncthreads();
+
+  for (int it = 0; it < ntiles; ++it) {
+    const uint32_t cur_b = kv_base + (uint32_t)((it & 1) * KV_TILE_BYTES);
+    __nv_bfloat16* cur = (it & 1) ? kvbuf1 : kvbuf0;
+    const int j0 = kbeg + it * BN;
+    if (it > 0) {
+      cp_async_wait_all();
+      __syncthreads();
+    }
+    const Req& R = *rq_sm;
+    if (it + 1 < ntiles) load_kv_tile_v2(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
+    cp_async_commit();
+    if (tid < BN) {  // ring slot (it+2)%3 was last read at iteration it-1, before this iteration's barrier
+      rowptr_sm[((it + 2) % RING) * BN + tid] = row_ptr(a, R, j0 + 2 * BN + tid, kend, pending);
+      pending = fetch_slot(a, R, j0 + 3 * BN + tid, kend);
+    }
+    if (tid == 0) flag_sm[0] = 0u;
+    const bool draft_tile = j0 + BN > R.L;
+
+    // ---- S partial = Q[smi rows, kh half] . K[tile, kh half]^T, exchanged with the partner warp
+    float s[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    if (s_active) {
+#pragma unroll
+      for (int ks = 0; ks < QK_HALF_STEPS; ++ks) {
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t bfr[4];
+          ldsm_x4_a(bfr, cur_b + k_off + (uint32_t)((np * 16 * KV_STRIDE + ks * 16) * 2));
+          mma_bf16(s[2 * np], qf[ks], bfr[0], bfr[1]);
+          mma_bf16(s[2 * np + 1], qf[ks], bfr[2], bfr[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n) sts_f4(xch_mine + n * 512, s[n]);
+    }
+    // Draft tiles are sanitised in place below (after every warp's S reads): CTA barrier.
+    // Prefix tiles: pair barrier, executed by EVERY pair, live or not (both warps of a pair share
+    // s_active, so barrier smi+1 always sees exactly its 64 threads).  Skipping it in pairs without
+    // a live row (nmi < 4) left warps with different barrier counts, and compute-sanitizer
+    // racecheck, which orders accesses by barrier phase, then reported every later exchange
+    // (alpha, P, l/m, V vs the next cp.async) as a race (15 hazards).
+    if (draft_tile) __syncthreads(); else pair_sync(smi);
+
+    // ---- full S rows (own + partner partial), select-masking, online softmax, own 16 columns of P
+    if (s_active) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float4 v = lds_f4(xch_peer + n * 512);
+        s[n][0] += v.x; s[n][1] += v.y; s[n][2] += v.z; s[n][3] += v.w;
+      }
+      if (!draft_tile && j0 + BN <= kend) {  // prefix-only tile inside the split: all visible
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[n][e] *= sc;
+      } else {
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = j0 + n * 8 + 2 * c4 + (e & 1);
+            const int tr = (e < 2) ? tA : tB;
+            const bool vis = j < kend && (j < R.L || (tr >= 0 && draft_visible(a, R, tr, j - R.L)));
+            s[n][e] = vis ? s[n][e] * sc : -INFINITY;
+          }
+      }
+      float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+      float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+      mx0 = fmaxf(mx0, fmaxf(fmaxf(s[2][0], s[2][1]), fmaxf(s[3][0], s[3][1])));
+      mx1 = fmaxf(mx1, fmaxf(fmaxf(s[2][2], s[2][3]), fmaxf(s[3][2], s[3][3])));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      // Lazy rescaling as in v1: the running max moves only when a tile's max exceeds it by > 8.
+      float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
+      if (!(mn0 > m_run0 + 8.f)) mn0 = m_run0;
+      if (!(mn1 > m_run1 + 8.f)) mn1 = m_run1;
+      const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0, mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
+      const float al0 = (mn0 == m_run0) ? 1.f : fast_exp2(m_run0 - mu0);
+      const float al1 = (mn1 == m_run1) ? 1.f : fast_exp2(m_run1 - mu1);
+      m_run0 = mn0;
+      m_run1 = mn1;
+      float rs0 = 0.f, rs1 = 0.f;
+      __nv_bfloat16* prow = psm + (smi * 16 + g) * P_STRIDE + 2 * c4;
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        // own columns: n8 tiles 2kh, 2kh+1 (selected without a runtime array index: s stays in registers)
+        const float x0 = kh ? s[2 + h2][0] : s[h2][0], x1 = kh ? s[2 + h2][1] : s[h2][1];
+        const float x2 = kh ? s[2 + h2][2] : s[h2][2], x3 = kh ? s[2 + h2][3] : s[h2][3];
+        const float p0 = fast_exp2(x0 - mu0), p1 = fast_exp2(x1 - mu0);
+        const float p2 = fast_exp2(x2 - mu1), p3 = fast_exp2(x3 - mu1);
+        rs0 += p0 + p1;
+        rs1 += p2 + p3;
+        const int n = kh * 2 + h2;
+        *reinterpret_cast<uint32_t*>(prow + n * 8) = pack_bf16x2(p0, p1);
+        *reinterpret_cast<uint32_t*>(prow + 8 * P_STRIDE + n * 8) = pack_bf16x2(p2, p3);
+      }
+      l_run0 = l_run0 * al0 + rs0;
+      l_run1 = l_run1 * al1 + rs1;
+      if (kh == 0 && c4 == 0) {
+        alpha_sm[smi * 16 + g] = al0;
+        alpha_sm[smi * 16 + g + 8] = al1;
+      }
+    }
+
+    // Draft rows of this tile: zero non-finite V values (re-injected below only into rows that
+    // may see them), and the V part of padded rows j >= kend (cp.async zero-fills them already).
+    if (draft_tile) {
+#pragma unroll
+      for (int k = 0; k < (BN * D_V / 8) / NTHREADS; ++k) {
+        const int idx = tid + k * NTHREADS;
+        const int i = idx / (D_V / 8), c = idx - i * (D_V / 8);
+        const int j = j0 + i;
+        uint4* p = reinterpret_cast<uint4*>(cur + i * KV_STRIDE + c * 8);
+        if (j >= kend) {
+          *p = make_uint4(0u, 0u, 0u, 0u);
+        } else if (j >= R.L) {
+          const uint4 v = *p;
+          uint32_t w[4] = {v.x, v.y, v.z, v.w};
+          bool any = false;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            uint32_t lo = w[e] & 0xFFFFu, hi = w[e] >> 16;
+            if (bf16_nonfinite(lo)) { lo = 0u; any = true; }
+            if (bf16_nonfinite(hi)) { hi = 0u; any = true; }
+            w[e] = lo | (hi << 16);
+          }
+          if (any) {
+            *p = make_uint4(w[0], w[1], w[2], w[3]);
+            atomicOr(flag_sm, 1u << i);
+          }
+        }
+      }
+    }
+    __syncthreads();  // P, alpha and the sanitised V tile are visible to every warp
+
+    // ---- O[:, warp*64 .. +64] = alpha * O + P . V   (live m16 row tiles only)
+    {
+      float al[4][2];
+      bool resc = false;
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        al[mi][0] = (mi < nmi) ? alpha_sm[mi * 16 + g] : 1.f;
+        al[mi][1] = (mi < nmi) ? alpha_sm[mi * 16 + g + 8] : 1.f;
+        resc |= (al[mi][0] != 1.f) || (al[mi][1] != 1.f);
+      }
+      if (__any_sync(0xffffffffu, resc)) {
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            o_acc[mi][n][0] *= al[mi][0]; o_acc[mi][n][1] *= al[mi][0];
+            o_acc[mi][n][2] *= al[mi][1]; o_acc[mi][n][3] *= al[mi][1];
+          }
+      }
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        uint32_t vb[4][4];
+#pragma unroll
+        for (int np = 0; np < 4; ++np)
+          ldsm_x4_t_a(vb[np], cur_b + v_off + (uint32_t)((ks * 16 * KV_STRIDE + np * 16) * 2));
+#ifdef MTV_V2_PHOIST
+        // Opt-in A/B variant: all four P fragments of this k-step loaded up front, outside the
+        // live-tile branches (rows of m16 tiles without a live row are read but unused). Measured
+        // 1-2 % slower than the default per-tile order on the H200 (bench/results/verify-2026-11-30.md).
+        uint32_t pa4[4][4];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) ldsm_x4_a(pa4[mi], p_addr + (uint32_t)((mi * 16 * P_STRIDE + ks * 16) * 2));
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          if (mi < nmi) {
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+              mma_bf16(o_acc[mi][2 * np], pa4[mi], vb[np][0], vb[np][1]);
+              mma_bf16(o_acc[mi][2 * np + 1], pa4[mi], vb[np][2], vb[np][3]);
+            }
+          }
+        }
+#else
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          if (mi < nmi) {
+            uint32_t pa[4];
+            ldsm_x4_a(pa, p_addr + (uint32_t)((mi * 16 * P_STRIDE + ks * 16) * 2));
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+              mma_bf16(o_acc[mi][2 * np], pa, vb[np][0], vb[np][1]);
+              mma_bf16(o_acc[mi][2 * np + 1], pa, vb[np][2], vb[np][3]);
+            }
+          }
+        }
+#endif
+      }
+      const uint32_t fl = flag_sm[0];
+      if (fl != 0u) {  // rare path: a draft row of this tile holds NaN/Inf in its V part
+        const __nv_bfloat16* kd = reinterpret_cast<const __nv_bfloat16*>(a.k_draft);
+        for (int i = 0; i < BN; ++i) {
+          if (!((fl >> i) & 1u)) continue;
+          const int d = j0 + i - R.L;
+          const __nv_bfloat16* vrow = kd + (R.q_start + d) * a.kd_s0;
+#pragma unroll
+          for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int r = row0 + mi * 16 + g + hr * 8;
+              if (mi >= nmi || r >= M || !draft_visible(a, R, r / H, d)) continue;
+#pragma unroll
+              for (int n = 0; n < 8; ++n) {
+                const int col = warp * 64 + n * 8 + 2 * c4;
+                const uint32_t pair = *reinterpret_cast<const uint32_t*>(vrow + col);
+                if (bf16_nonfinite(pair & 0xFFFFu)) o_acc[mi][n][hr * 2] = __int_as_float(0x7fffffff);
+                if (bf16_nonfinite(pair >> 16)) o_acc[mi][n][hr * 2 + 1] = __int_as_float(0x7fffffff);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // ---- row statistics: l = sum over the quad and the two K-half warps; m identical in both
+  if (s_active) {
+    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
+    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 1);
+    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
+    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 2);
+    if (c4 == 0) {
+      l_sm[kh * BM + smi * 16 + g] = l_run0;
+      l_sm[kh * BM + smi * 16 + g + 8] = l_run1;
+      if (kh == 0) {
+        m_sm[smi * 16 + g] = m_run0;
+        m_sm[smi * 16 + g + 8] = m_run1;
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- epilogue: warp writes its 64 columns of every live row
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int lr = mi * 16 + g + hr * 8;
+      const int r = row0 + lr;
+      if (mi >= nmi || r >= M) continue;
+      const int t = r / H, h = r - t * H;
+      const float l = l_sm[lr] + l_sm[BM + lr], m = m_sm[lr];
+      const float inv = (l > 0.f) ? 1.f / l : (l == 0.f ? 0.f : l);
+      const float lse2 = (l > 0.f) ? m + log2f(l) : (l == 0.f ? -INFINITY : l);
+      const int64_t tok = rq_sm->q_start + t;
+      if (a.num_splits == 1) {
+        __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(a.o) + tok * a.o_s0 + (int64_t)h * a.o_s1;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const int col = warp * 64 + n * 8 + 2 * c4;
+          *reinterpret_cast<__nv_bfloat162*>(op + col) =
+              __floats2bfloat162_rn(o_acc[mi][n][hr * 2] * inv, o_acc[mi][n][hr * 2 + 1] * inv);
+        }
+        if (a.lse != nullptr && warp == 0 && c4 == 0)
+          a.lse[tok * a.lse_s0 + (int64_t)h * a.lse_s1] = lse2 * 0.6931471805599453f;
+      } else {
+        const int64_t R = (int64_t)a.total_tokens * H;
+        const int64_t rowg = tok * H + h;
+        float* wo = a.workspace + ((int64_t)split * R + rowg) * D_V;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const int col = warp * 64 + n * 8 + 2 * c4;
+          *reinterpret_cast<float2*>(wo + col) =
+              make_float2(o_acc[mi][n][hr * 2] * inv, o_acc[mi][n][hr * 2 + 1] * inv);
+        }
+        if (warp == 0 && c4 == 0) a.workspace[(int64_t)a.num_splits * R * D_V + (int64_t)split * R + rowg] = lse2;
+      }
+    }
+  }
+}
+
+}  // namespace mtv

@@ -1,0 +1,106 @@
+# mypy: allow-untyped-defs
+"""The tiny kernels around a shadowed call on the graph path (Triton): every per-call decision in device memory.
+
+* :func:`control_kernel` — before the call: reads the host control words (mode, sampling, spot checks,
+  disabled / fallback; pinned memory the host may write at any time, so a kill switch reaches captured
+  graphs) and the device counters, and writes the call's decisions (do statistics, use the candidate,
+  publish, run the baseline) into the site's decision words;
+* :func:`gate_kernel` — a copy of a small int tensor that is zeros when the baseline is gated off;
+* :func:`stamp_kernel` — a global-timer stamp between the implementations (device time per call);
+* :func:`select_kernel` — the output served in on mode: the candidate's, unless the call's decision or
+  the sticky fallback flag says the baseline's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["control_kernel", "gate_kernel", "select_kernel", "stamp_kernel"]
+
+
+@triton.jit(do_not_specialize=["first_layer", "max_t", "max_l", "host_decides", "host_do_stats",
+                               "host_use_cand", "host_step", "bs", "t", "plen"])
+def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, max_t, max_l,
+                    host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
+                    USE_TIMER: tl.constexpr, GATED: tl.constexpr):
+    # hctrl (pinned host, written by Python at any time): [mode, sample_n, spot_n, disabled, fallback]
+    mode = tl.load(hctrl_ptr, volatile=True)
+    sample_n = tl.maximum(tl.load(hctrl_ptr + 1, volatile=True), 1)
+    spot_n = tl.maximum(tl.load(hctrl_ptr + 2, volatile=True), 1)
+    disabled = tl.load(hctrl_ptr + 3, volatile=True) != 0
+    fallback = (tl.load(hctrl_ptr + 4, volatile=True) != 0) | (tl.load(dstate_ptr + 3) != 0)
+    step = tl.load(dstate_ptr) + first_layer
+    if host_decides != 0:  # eager: the host's step counter is the truth (replays continue from it)
+        step = host_step.to(tl.int64)
+    tl.store(dstate_ptr, step)
+    call = tl.load(dstate_ptr + 1) + 1
+    tl.store(dstate_ptr + 1, call)
+    if HAS_META:
+        bs_v = tl.load(meta_ptr).to(tl.int64)
+        t_v = tl.load(meta_ptr + 1).to(tl.int64)
+        l_v = tl.load(meta_ptr + 2).to(tl.int64)
+    else:
+        bs_v = bs.to(tl.int64)
+        t_v = t.to(tl.int64)
+        l_v = plen.to(tl.int64)
+    tl.store(sstate_ptr + 9, bs_v)
+    tl.store(sstate_ptr + 10, t_v)
+    tl.store(sstate_ptr + 11, l_v)
+    covered = (t_v <= max_t) & (l_v <= max_l)
+    ok = (~disabled) & (~fallback)
+    use_cand = (mode == 2) & ok & covered
+    sampled = (step % sample_n) == 0
+    spot = (step % spot_n) == 0
+    publish = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
+    # Under a graph, on mode: the candidate is checked against the baseline on spot-check replays only;
+    # on the others the baseline's work is gated to nothing (run_base 0, read by the gate kernel when
+    # the call site has a baseline gate) and, without a gate, it still runs and every call is checked
+    # before its output is chosen.
+    run_base = (~use_cand) | publish
+    do_stats = publish if GATED else publish | use_cand
+    if host_decides != 0:
+        do_stats = host_do_stats != 0
+        publish = do_stats
+        use_cand = host_use_cand != 0
+    run_base = run_base | (host_decides != 0)
+    tl.store(sstate_ptr, do_stats.to(tl.int64))
+    tl.store(sstate_ptr + 1, use_cand.to(tl.int64))
+    tl.store(sstate_ptr + 12, publish.to(tl.int64))
+    tl.store(sstate_ptr + 13, run_base.to(tl.int64))
+    tl.store(sstate_ptr + 3, mode)
+    tl.store(sstate_ptr + 4, step)
+    tl.store(sstate_ptr + 5, call)
+    if USE_TIMER:
+        tl.store(sstate_ptr + 6, tl.extra.cuda.globaltimer().to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["n"])
+def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, BLOCK: tl.constexpr):
+    # dst = src when the baseline must run this call (sstate[13]), else zeros (work sizes of nothing)
+    run = tl.load(sstate_ptr + 13) != 0
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(src_ptr + offs, mask=m, other=0)
+    tl.store(dst_ptr + offs, tl.where(run, v, 0), mask=m)
+
+
+@triton.jit(do_not_specialize=["idx"])
+def _stamp_kernel(sstate_ptr, idx, USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        tl.store(sstate_ptr + idx, tl.extra.cuda.globaltimer().to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["n"])
+def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, BLOCK: tl.constexpr):
+    use = (tl.load(sstate_ptr + 1) != 0) & (tl.load(dstate_ptr + 3) == 0)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(c_ptr + offs, mask=m) if use else tl.load(b_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, v, mask=m)
+
+
+control_kernel = _control_kernel
+gate_kernel = _gate_kernel
+stamp_kernel = _stamp_kernel
+select_kernel = _select_kernel
