@@ -181,3 +181,15 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert r["gated_sizes_seen"] == [0, 5, 0, 5, 5, 5], r
     assert r["gated_outputs"] == ["cand", "cand", "cand", "base", "base", "base"], r
     assert r["gated_records"][:2] == [2, 4], r
+
+
+def test_histogram_scheme_falls_back_where_its_shared_memory_does_not_fit() -> None:
+    """A tile with more warps than a shared-memory histogram is compiled for gets warp ballots, never a
+    kernel that cannot compile (the columns need 4·40·threads bytes of static shared memory, ≤ 48 KiB)."""
+    pytest.importorskip("triton")
+    from shadowd.hook.device import hist_mode_for
+
+    assert hist_mode_for(3, 8) == 3 and hist_mode_for(4, 4) == 4  # columns fit up to 8 warps
+    assert hist_mode_for(3, 16) == 2 and hist_mode_for(4, 16) == 2  # 80 KiB of columns: ballots instead
+    assert hist_mode_for(5, 16) == 5  # one row per warp fits at any supported width
+    assert hist_mode_for(1, 16) == 1 and hist_mode_for(0, 8) == 0
