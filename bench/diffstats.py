@@ -38,13 +38,11 @@ from shadowd.hook.site import Bucket, ShadowSite
 CALLS_PER_GRAPH = 20
 #: statistics kernel configurations tried on 2 × 64 MiB: ((elements per tile, warps, programs per SM), histogram
 #: mode: 1 tl.histogram, 2 warp ballots, 3 shared-memory columns, 0 none)
-VARIANTS = (((4096, 8, 2), 3), ((2048, 4, 4), 3), ((2048, 8, 2), 3), ((4096, 8, 2), 4), ((2048, 4, 4), 4),
-            ((4096, 8, 2), 5), ((2048, 4, 4), 5), ((8192, 16, 1), 5), ((2048, 8, 2), 5), ((8192, 16, 1), 2),
-            ((4096, 8, 2), 1), ((4096, 8, 2), 0))
+VARIANTS = (((4096, 8, 2), 3), ((2048, 4, 4), 3), ((2048, 8, 2), 3), ((8192, 16, 1), 2), ((4096, 8, 2), 1),
+            ((4096, 8, 2), 0))
 #: configurations tried per call under a graph on the small outputs (latency, not bandwidth)
 SMALL_VARIANTS = ((512, 4, 4), (1024, 4, 4), (1024, 2, 8), (2048, 4, 4), (4096, 8, 2))
-HIST_NAMES = {0: "off", 1: "tl.histogram", 2: "warp ballots", 3: "shared-memory columns (red.shared)",
-              4: "shared-memory columns (load/add/store)", 5: "per-warp rows (match.any leaders)"}
+HIST_NAMES = {0: "off", 1: "tl.histogram", 2: "warp ballots", 3: "shared-memory columns (red.shared)"}
 
 
 def cuda_time(fn, reps: int = 20, warm: int = 3) -> float:

@@ -32,7 +32,7 @@ __all__ = [
 
 D_QK = 576
 D_V = 512
-BLOCK_M = 64  # query rows per CTA of the default build (schedule v2; -DMTV_V1 builds report 32)
+BLOCK_M = 64  # query rows per CTA (what mtv_block_m() of the library reports)
 MAX_SPLITS = 128
 MIN_KV_PER_SPLIT = 128
 
@@ -51,9 +51,7 @@ def decode_error_flag(value: int) -> list[str]:
 
 
 def block_m() -> int:
-    """Query rows per CTA of the built library (64: the default schedule v2; 32: ``-DMTV_V1``).
-
-    Builds and loads the library if needed (CUDA machine)."""
+    """Query rows per CTA of the built library (``mtv_block_m()``); builds and loads it if needed."""
     from . import _lib
 
     return int(_lib.load().mtv_block_m())

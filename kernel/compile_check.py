@@ -77,7 +77,7 @@ def dynamic_smem_bytes(nvcc: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "smem.cu"
         src.write_text(
-            '#include <cstdio>\n#include "tree_verify_kernel.cuh"\n'
+            '#include <cstdio>\n#include "tree_verify_fwd.cuh"\n'
             'int main() { std::printf("%d\\n", mtv::SMEM_BYTES); return 0; }\n'
         )
         exe = Path(tmp) / "smem"

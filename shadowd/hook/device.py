@@ -51,7 +51,7 @@ import triton
 
 from shadowd.hook.diffstats import NRAW, empty_stats, finalize
 from shadowd.hook.triton_control import control_kernel, gate_kernel, select_kernel, stamp_kernel
-from shadowd.hook.triton_hist import COLS_WARPS, HIST_WARPS
+from shadowd.hook.triton_hist import COLS_WARPS
 from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
 
 if TYPE_CHECKING:
@@ -107,9 +107,9 @@ class _Slot:
 
 
 def hist_mode_for(mode: int, warps: int) -> int:
-    """The histogram mode really compiled for ``warps`` warps: the shared-memory modes where their arrays
-    fit (columns 3, 4: COLS_WARPS; per-warp rows 5: HIST_WARPS), else warp ballots."""
-    if (mode in (3, 4) and warps not in COLS_WARPS) or (mode == 5 and warps not in HIST_WARPS):
+    """The histogram mode really compiled for ``warps`` warps: the shared-memory columns (3) where they
+    fit (COLS_WARPS), else warp ballots."""
+    if mode == 3 and warps not in COLS_WARPS:
         return 2
     return mode
 

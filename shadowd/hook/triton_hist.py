@@ -19,10 +19,10 @@ which returns the program's counts as int32 [HB] (bins >= HIST_BINS are zero).
   32 lanes always hit 32 different banks: conflict-free whatever the distribution of |d|. Three SASS
   instructions per element. The array is 4 · HIST_BINS · THREADS bytes of static shared memory (40 KiB
   at 8 warps), so this mode is compiled for 1, 2, 4 and 8 warps only (``COLS_WARPS``).
-* 4 — the same columns counted by a plain load / add / store (private columns need no atomics; the
-  read-after-write chain through shared memory is the price).
-* 5 — one row of counts per warp: the lanes holding equal bins elect a leader (``match.any``), which adds
-  the group's size (one ``red.shared`` per distinct bin per element slot instead of one per lane).
+
+Two more schemes were measured and dropped (bench/results/hook-2026-11-30.md, runs B–C): the same columns
+counted by plain load / add / store (58–60 % of copy bandwidth against 73–76 %), and one row per warp
+with ``match.any`` leaders (47–51 %).
 """
 
 from __future__ import annotations
@@ -32,13 +32,10 @@ import triton.language as tl
 
 from shadowd.wire import HIST_BINS, HIST_EXP_MAX, HIST_EXP_MIN
 
-__all__ = ["COLS_WARPS", "HB", "HIST_WARPS", "bins", "hist_add", "hist_add_fast", "hist_declare", "hist_final",
-           "hist_init"]
+__all__ = ["COLS_WARPS", "HB", "bins", "hist_add", "hist_add_fast", "hist_declare", "hist_final", "hist_init"]
 
-#: warps per program for which the shared-memory column histograms (modes 3, 4) fit the 48 KiB of static
-#: shared memory; mode 5 is compiled for HIST_WARPS
+#: warps per program for which the shared-memory columns (mode 3) fit the 48 KiB of static shared memory
 COLS_WARPS = (1, 2, 4, 8)
-HIST_WARPS = (1, 2, 4, 8, 16)
 HB = tl.constexpr(64)  # bins per program histogram (power of two); bin HB-1 collects masked lanes
 HIST_BINS_C, HIST_EXP_MIN_C, HIST_EXP_MAX_C = (tl.constexpr(v) for v in (HIST_BINS, HIST_EXP_MIN, HIST_EXP_MAX))
 
@@ -82,68 +79,42 @@ def _lane_of_rows(like):
     return tl.max(lid, axis=1)
 
 
-# ---- modes 3-5: shared memory declared by inline PTX -----------------------------------------------
+# ---- mode 3: per-thread columns in shared memory declared by inline PTX -----------------------------
 
-def _smem_asm(nw: int) -> dict[str, str]:
-    """PTX of modes 3-5 for ``nw`` warps (keys: decl, zero, add3, add4, read, wdecl, wzero, wread)."""
+def _cols_asm(nw: int) -> dict[str, str]:
+    """PTX of mode 3 for ``nw`` warps (keys: decl, zero, add, addf, read); word = bin · threads + tid."""
     nt = nw * 32
     a: dict[str, str] = {}
-    # modes 3 and 4: per-thread columns, word = bin · nt + tid
     a["decl"] = f".shared .align 16 .b32 shd_hcols[{HIST_BINS * nt}];\n\tmov.u32 $0, 0;"
     a["zero"] = ("{\n.reg .b32 t, s;\nmov.u32 t, %tid.x;\nshl.b32 t, t, 2;\nmov.u32 s, shd_hcols;\nadd.u32 $0, t, s;\n"
                  + "".join(f"st.shared.u32 [$0+{k * nt * 4}], 0;\n" for k in range(HIST_BINS)) + "}")
-    a["add3"] = ("{\n.reg .pred p;\n.reg .b32 a;\n"
-                 f"setp.lt.u32 p, $1, {HIST_BINS};\nmad.lo.u32 a, $1, {nt * 4}, $2;\n"
-                 "@p red.shared.add.u32 [a], 1;\nmov.u32 $0, 0;\n}")
-    # mode 3 on the fast path (no masked lanes, |d| finite or the pass is redone): the bin from |d|'s bits
-    # ($1) in the same statement — exponent, zero → 0, clipped to [1, HIST_BINS - 2] otherwise
-    a["add3f"] = ("{\n.reg .b32 e, z, a;\nshr.u32 e, $1, 23;\nmin.u32 z, $1, 1;\n"
-                  f"sub.s32 e, e, {HIST_EXP_MIN + 126};\nmax.s32 e, e, z;\nmin.s32 e, e, {HIST_BINS - 2};\n"
-                  f"mad.lo.u32 a, e, {nt * 4}, $2;\nred.shared.add.u32 [a], 1;\nmov.u32 $0, 0;\n}}")
-    a["add4"] = ("{\n.reg .pred p;\n.reg .b32 a, v;\n"
-                 f"setp.lt.u32 p, $1, {HIST_BINS};\nmad.lo.u32 a, $1, {nt * 4}, $2;\n"
-                 "@p ld.shared.u32 v, [a];\n@p add.u32 v, v, 1;\n@p st.shared.u32 [a], v;\nmov.u32 $0, 0;\n}")
+    a["add"] = ("{\n.reg .pred p;\n.reg .b32 a;\n"
+                f"setp.lt.u32 p, $1, {HIST_BINS};\nmad.lo.u32 a, $1, {nt * 4}, $2;\n"
+                "@p red.shared.add.u32 [a], 1;\nmov.u32 $0, 0;\n}")
+    # on the fast path (no masked lanes, |d| finite or the pass is redone): the bin from |d|'s bits ($1)
+    # in the same statement — exponent, zero → 0, clipped to [1, HIST_BINS - 2] otherwise
+    a["addf"] = ("{\n.reg .b32 e, z, a;\nshr.u32 e, $1, 23;\nmin.u32 z, $1, 1;\n"
+                 f"sub.s32 e, e, {HIST_EXP_MIN + 126};\nmax.s32 e, e, z;\nmin.s32 e, e, {HIST_BINS - 2};\n"
+                 f"mad.lo.u32 a, e, {nt * 4}, $2;\nred.shared.add.u32 [a], 1;\nmov.u32 $0, 0;\n}}")
     # element (k, j) of a [HB, 32] tensor: Σ over the warps w of column word k·nt + 32·w + j
     a["read"] = ("{\n.reg .pred p;\n.reg .b32 k, j, a, v;\n"
                  "shr.u32 k, $1, 5;\nand.b32 j, $1, 31;\nmov.u32 $0, 0;\n"
                  f"setp.lt.u32 p, k, {HIST_BINS};\nmad.lo.u32 a, k, {nt}, j;\nshl.b32 a, a, 2;\n"
                  "mov.u32 v, shd_hcols;\nadd.u32 a, a, v;\n"
                  + "".join(f"@p ld.shared.u32 v, [a+{128 * w}];\n@p add.u32 $0, $0, v;\n" for w in range(nw)) + "}")
-    # mode 5: one row of HB words per warp; lanes holding equal bins elect a leader (match.any)
-    a["wdecl"] = f".shared .align 16 .b32 shd_hwarp[{nw * 64}];\n\tmov.u32 $0, 0;"
-    a["wzero"] = ("{\n.reg .b32 t, l, s;\nmov.u32 t, %tid.x;\nand.b32 l, t, 31;\nshr.u32 t, t, 5;\n"
-                  "shl.b32 t, t, 8;\nmov.u32 s, shd_hwarp;\nadd.u32 $0, t, s;\nshl.b32 l, l, 2;\nadd.u32 l, l, $0;\n"
-                  "st.shared.u32 [l], 0;\nst.shared.u32 [l+128], 0;\nbar.warp.sync -1;\n}")
-    a["wread"] = ("{\n.reg .pred p, q;\n.reg .b32 k, j, a;\n"
-                  "shr.u32 k, $1, 5;\nand.b32 j, $1, 31;\nmov.u32 $0, 0;\n"
-                  f"setp.lt.u32 p, k, {HIST_BINS};\nsetp.lt.u32 q, j, {nw};\nand.pred p, p, q;\n"
-                  "mad.lo.u32 a, j, 64, k;\nshl.b32 a, a, 2;\nmov.u32 k, shd_hwarp;\nadd.u32 a, a, k;\n"
-                  "@p ld.shared.u32 $0, [a];\n}")
     return a
 
 
-_ASM = {w: {k: tl.constexpr(v) for k, v in _smem_asm(w).items()} for w in HIST_WARPS}
-DECL_1, DECL_2, DECL_4, DECL_8, DECL_16 = (_ASM[w]["decl"] for w in HIST_WARPS)
-ZERO_1, ZERO_2, ZERO_4, ZERO_8, ZERO_16 = (_ASM[w]["zero"] for w in HIST_WARPS)
-ADD3_1, ADD3_2, ADD3_4, ADD3_8, ADD3_16 = (_ASM[w]["add3"] for w in HIST_WARPS)
-ADD4_1, ADD4_2, ADD4_4, ADD4_8, ADD4_16 = (_ASM[w]["add4"] for w in HIST_WARPS)
-ADDF_1, ADDF_2, ADDF_4, ADDF_8, ADDF_16 = (_ASM[w]["add3f"] for w in HIST_WARPS)
-READ_1, READ_2, READ_4, READ_8, READ_16 = (_ASM[w]["read"] for w in HIST_WARPS)
-WDECL_1, WDECL_2, WDECL_4, WDECL_8, WDECL_16 = (_ASM[w]["wdecl"] for w in HIST_WARPS)
-WZERO_1, WZERO_2, WZERO_4, WZERO_8, WZERO_16 = (_ASM[w]["wzero"] for w in HIST_WARPS)
-WREAD_1, WREAD_2, WREAD_4, WREAD_8, WREAD_16 = (_ASM[w]["wread"] for w in HIST_WARPS)
-#: mode 5, one element: leader lanes (lowest lane of each group of equal bins, $3 = %lanemask_lt) add the
-#: group's size to the warp's row ($2); every lane of the warp executes it (uniform code)
-WADD = tl.constexpr(
-    "{\n.reg .pred p, q;\n.reg .b32 m, t, c, a;\n"
-    "match.any.sync.b32 m, $1, -1;\nand.b32 t, m, $3;\nsetp.eq.u32 p, t, 0;\n"
-    f"setp.lt.u32 q, $1, {HIST_BINS};\nand.pred p, p, q;\npopc.b32 c, m;\nmad.lo.u32 a, $1, 4, $2;\n"
-    "@p red.shared.add.u32 [a], c;\nmov.u32 $0, 0;\n}")
-LANEMASK_LT = tl.constexpr("mov.u32 $0, %lanemask_lt;")
+_ASM = {w: {k: tl.constexpr(v) for k, v in _cols_asm(w).items()} for w in COLS_WARPS}
+DECL_1, DECL_2, DECL_4, DECL_8 = (_ASM[w]["decl"] for w in COLS_WARPS)
+ZERO_1, ZERO_2, ZERO_4, ZERO_8 = (_ASM[w]["zero"] for w in COLS_WARPS)
+ADD_1, ADD_2, ADD_4, ADD_8 = (_ASM[w]["add"] for w in COLS_WARPS)
+ADDF_1, ADDF_2, ADDF_4, ADDF_8 = (_ASM[w]["addf"] for w in COLS_WARPS)
+READ_1, READ_2, READ_4, READ_8 = (_ASM[w]["read"] for w in COLS_WARPS)
 
 
 @triton.jit
-def _asm0(A1, A2, A4, A8, A16, NW: tl.constexpr):
+def _asm0(A1, A2, A4, A8, NW: tl.constexpr):
     # a zero-operand statement (one instance per thread) for NW warps; returns an int32 scalar
     if NW == 1:
         r = tl.inline_asm_elementwise(A1, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
@@ -151,16 +122,14 @@ def _asm0(A1, A2, A4, A8, A16, NW: tl.constexpr):
         r = tl.inline_asm_elementwise(A2, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     elif NW == 4:
         r = tl.inline_asm_elementwise(A4, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    elif NW == 8:
-        r = tl.inline_asm_elementwise(A8, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.static_assert(NW == 16, "the shared-memory histograms are compiled for 1, 2, 4, 8 or 16 warps")
-        r = tl.inline_asm_elementwise(A16, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.static_assert(NW == 8, "the shared-memory histogram is compiled for 1, 2, 4 or 8 warps")
+        r = tl.inline_asm_elementwise(A8, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     return r
 
 
 @triton.jit
-def _asm2(x, y, A1, A2, A4, A8, A16, NW: tl.constexpr):
+def _asm2(x, y, A1, A2, A4, A8, NW: tl.constexpr):
     # an elementwise statement over x (int32) with the scalar y, for NW warps
     if NW == 1:
         r = tl.inline_asm_elementwise(A1, "=r,r,r", [x, y], dtype=tl.int32, is_pure=False, pack=1)
@@ -168,27 +137,23 @@ def _asm2(x, y, A1, A2, A4, A8, A16, NW: tl.constexpr):
         r = tl.inline_asm_elementwise(A2, "=r,r,r", [x, y], dtype=tl.int32, is_pure=False, pack=1)
     elif NW == 4:
         r = tl.inline_asm_elementwise(A4, "=r,r,r", [x, y], dtype=tl.int32, is_pure=False, pack=1)
-    elif NW == 8:
-        r = tl.inline_asm_elementwise(A8, "=r,r,r", [x, y], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        r = tl.inline_asm_elementwise(A16, "=r,r,r", [x, y], dtype=tl.int32, is_pure=False, pack=1)
+        r = tl.inline_asm_elementwise(A8, "=r,r,r", [x, y], dtype=tl.int32, is_pure=False, pack=1)
     return r
 
 
 @triton.jit
-def _smem_read(A1, A2, A4, A8, A16, NW: tl.constexpr):
-    # the program's histogram [HB]: sums over the [HB, 32] partial reads (after a CTA barrier)
+def _cols_read(NW: tl.constexpr):
+    # the program's histogram [HB]: column sums over every thread (after a CTA barrier)
     kj = tl.arange(0, HB)[:, None] * 32 + tl.arange(0, 32)[None, :]
     if NW == 1:
-        part = tl.inline_asm_elementwise(A1, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
+        part = tl.inline_asm_elementwise(READ_1, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
     elif NW == 2:
-        part = tl.inline_asm_elementwise(A2, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
+        part = tl.inline_asm_elementwise(READ_2, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
     elif NW == 4:
-        part = tl.inline_asm_elementwise(A4, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
-    elif NW == 8:
-        part = tl.inline_asm_elementwise(A8, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
+        part = tl.inline_asm_elementwise(READ_4, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        part = tl.inline_asm_elementwise(A16, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
+        part = tl.inline_asm_elementwise(READ_8, "=r,r", [kj], dtype=tl.int32, is_pure=False, pack=1)
     return tl.sum(part, axis=1)
 
 
@@ -211,24 +176,18 @@ def bins(d, lane, rem, cmp, TAIL: tl.constexpr, FAST: tl.constexpr):
 
 @triton.jit
 def hist_declare(HIST: tl.constexpr, NW: tl.constexpr):
-    """Once at the top of the kernel: modes 3-5 declare their static shared array (NW warps)."""
-    if HIST == 3 or HIST == 4:
-        _asm0(DECL_1, DECL_2, DECL_4, DECL_8, DECL_16, NW)
-    elif HIST == 5:
-        _asm0(WDECL_1, WDECL_2, WDECL_4, WDECL_8, WDECL_16, NW)
+    """Once at the top of the kernel: mode 3 declares its static shared array (NW warps)."""
+    if HIST == 3:
+        _asm0(DECL_1, DECL_2, DECL_4, DECL_8, NW)
 
 
 @triton.jit
 def hist_init(ROWS: tl.constexpr, HIST: tl.constexpr, NW: tl.constexpr):
     """The running state of one pass: (ha, hb)."""
-    if HIST >= 3:
-        tl.debug_barrier()  # a previous pass's read-back of the counts is over before they are zeroed
-    if HIST == 3 or HIST == 4:
-        ha = _asm0(ZERO_1, ZERO_2, ZERO_4, ZERO_8, ZERO_16, NW)  # this thread's column address
+    if HIST == 3:
+        tl.debug_barrier()  # a previous pass's read-back of the columns is over before they are zeroed
+        ha = _asm0(ZERO_1, ZERO_2, ZERO_4, ZERO_8, NW)  # this thread's column address
         hb = ha
-    elif HIST == 5:
-        ha = _asm0(WZERO_1, WZERO_2, WZERO_4, WZERO_8, WZERO_16, NW)  # this warp's row address
-        hb = tl.inline_asm_elementwise(LANEMASK_LT, "=r", [], dtype=tl.int32, is_pure=True, pack=1)
     else:
         n: tl.constexpr = ROWS if HIST == 2 else HB
         ha = tl.zeros([n], tl.int32)
@@ -240,11 +199,7 @@ def hist_init(ROWS: tl.constexpr, HIST: tl.constexpr, NW: tl.constexpr):
 def hist_add(bn, ha, hb, HIST: tl.constexpr, NW: tl.constexpr):
     """Count the bins bn [ROWS, VEC] of one tile."""
     if HIST == 3:
-        _asm2(bn, ha, ADD3_1, ADD3_2, ADD3_4, ADD3_8, ADD3_16, NW)
-    elif HIST == 4:
-        _asm2(bn, ha, ADD4_1, ADD4_2, ADD4_4, ADD4_8, ADD4_16, NW)
-    elif HIST == 5:
-        tl.inline_asm_elementwise(WADD, "=r,r,r,r", [bn, ha, hb], dtype=tl.int32, is_pure=False, pack=1)
+        _asm2(bn, ha, ADD_1, ADD_2, ADD_4, ADD_8, NW)
     elif HIST == 2:
         row = tl.sum(_ballot_counts(bn), axis=1)  # per field <= VEC * 32: no carry into the high field
         ha += row & 0xFFFF
@@ -259,7 +214,7 @@ def hist_add_fast(d, lane, rem, ha, hb, TAIL: tl.constexpr, HIST: tl.constexpr, 
     """Count |d| [ROWS, VEC] of one fast-path tile (every value assumed finite; ``TAIL``: lanes from
     ``rem`` on are not real). Mode 3 on full tiles computes the bins inside its PTX statement."""
     if HIST == 3 and not TAIL:
-        _asm2(d.to(tl.int32, bitcast=True), ha, ADDF_1, ADDF_2, ADDF_4, ADDF_8, ADDF_16, NW)
+        _asm2(d.to(tl.int32, bitcast=True), ha, ADDF_1, ADDF_2, ADDF_4, ADDF_8, NW)
     else:
         ha, hb = hist_add(bins(d, lane, rem, d == d, TAIL, True), ha, hb, HIST, NW)
     return ha, hb
@@ -268,12 +223,9 @@ def hist_add_fast(d, lane, rem, ha, hb, TAIL: tl.constexpr, HIST: tl.constexpr, 
 @triton.jit
 def hist_final(ha, hb, lane2d, HIST: tl.constexpr, NW: tl.constexpr):
     """The program's histogram, int32 [HB]."""
-    if HIST >= 3:
-        tl.debug_barrier()  # every thread's counts are in before any is read
-    if HIST == 3 or HIST == 4:
-        out = _smem_read(READ_1, READ_2, READ_4, READ_8, READ_16, NW)
-    elif HIST == 5:
-        out = _smem_read(WREAD_1, WREAD_2, WREAD_4, WREAD_8, WREAD_16, NW)
+    if HIST == 3:
+        tl.debug_barrier()  # every thread's counts are in before any column is read
+        out = _cols_read(NW)
     elif HIST == 2:
         rl = _lane_of_rows(lane2d)
         lanes = tl.arange(0, 32)

@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "mla_tree_verify.h"
-#include "tree_verify_kernel.cuh"
+#include "tree_verify_fwd.cuh"
 
 namespace mtv {
 enum ArgError : int { ARG_NULL = -1, ARG_SPLITS = -2, ARG_WORKSPACE = -3, ARG_SIZES = -4 };

@@ -1,11 +1,8 @@
-// MLA tree-verify attention, forward kernel variant 2 (the default; -DMTV_V1 selects v1).
-// Included by tree_verify_kernel.cuh after the shared helpers (Req, load_req, split_chunk,
-// draft_visible, fetch_slot / row_ptr, load_kv_tile, ldmatrix / mma wrappers); the combine
-// kernel, the host ABI, the workspace layout and the KV split rule are those of v1.
+// MLA tree-verify attention: the forward kernel (after tree_verify_kernel.cuh's helpers).
 //
 // One CTA = (KV split, 64-row tile of one request's (draft token, head) rows, request):
-// twice the rows of v1 per pass over the KV slice, so every KV tile carries 2x the math and
-// each query row streams half the KV bytes.
+// every KV tile carries the math of 64 query rows (a 32-row schedule, measured until 2026-11-30,
+// was 1.3-1.5x slower: bench/results/verify-2026-11-30.md).
 //
 // Q (64 x 576 bf16 = 73.7 KB) lives in registers only (72 regs/thread), loaded straight from
 // global memory in mma A-fragment layout: no smem staging, no wait before the first KV tile.
@@ -20,12 +17,11 @@
 //   PV  warp w -> V columns w*64 .. +64 for all 64 rows (O: 4 x 8 m16n8 tiles, 128 regs):
 //       per k16 step 4 ldmatrix.x4.trans (V) + 4 ldmatrix.x4 (P) + 32 mma.
 //   per warp per tile: 136 mma, 52 ldmatrix (36 K + 8 V + 8 P), 2 barriers (1 CTA-wide after
-//   the cp.async wait, 1 CTA-wide before P.V) + 1 pair barrier; v1: 68 mma, 38 ldmatrix,
-//   3 barriers per tile.  m16 row tiles with no live row (T*H - row0 < 64) are skipped in both
-//   phases (warp-uniform), so T*H <= 32 does no more math than v1.
+//   the cp.async wait, 1 CTA-wide before P.V) + 1 pair barrier.  m16 row tiles with no live row
+//   (T*H - row0 < 64) are skipped in both phases (warp-uniform).
 // Draft tiles (holding rows >= L): the pair barrier becomes a CTA barrier so that non-finite V
-// values can be zeroed in smem after every warp's S reads and before P.V (exact masking as in
-// v1), and padded rows j >= kend get their V part zeroed (defensive: P is 0 there anyway).
+// values can be zeroed in smem after every warp's S reads and before P.V, then re-injected (as
+// NaN) only into rows that may see them; padded rows j >= kend get their V part zeroed too.
 #pragma once
 #include "tree_verify_kernel.cuh"
 
@@ -39,15 +35,15 @@ constexpr int XCH_BYTES = NWARPS * 4 * 32 * 16;  // per warp 4 float4 per lane: 
 constexpr int STAT_BYTES = (BM + 2 * BM + BM) * 4 + 16 + 32;  // alpha, l (per K half), m, flag, Req
 constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES + STAT_BYTES;
 static_assert(KV_TILE_BYTES % 128 == 0 && XCH_BYTES % 16 == 0 && P_BYTES % 16 == 0, "alignment");
-static_assert(D_QK % 32 == 0 && BN == 32 && NWARPS == 8 && D_V == NWARPS * 64, "v2 warp layout");
-static_assert(SMEM_BYTES <= 101376, "v2 must fit the sm_120 shared-memory budget");
+static_assert(D_QK % 32 == 0 && BN == 32 && NWARPS == 8 && D_V == NWARPS * 64, "warp layout");
+static_assert(SMEM_BYTES <= 101376, "must fit the sm_120 shared-memory budget");
 
-__device__ __forceinline__ void ldsm_x4_a(uint32_t (&r)[4], uint32_t addr) {
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-__device__ __forceinline__ void ldsm_x4_t_a(uint32_t (&r)[4], uint32_t addr) {
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
@@ -70,11 +66,10 @@ __device__ __forceinline__ float4 lds_f4(uint32_t addr) {
 }
 // Issue cp.async for one BN x 576 KV tile at smem byte address buf (rows from rowptr; nullptr:
 // zero-fill).  Thread -> row tid/8, 16-byte chunks (tid%8) + 8k: one row address per thread and
-// constant strides, so nothing per chunk stays live across the main loop (v1's mapping made
-// ptxas keep 9 address pairs alive).  Each warp instruction copies 4 rows x 128 contiguous bytes.
-__device__ __forceinline__ void load_kv_tile_v2(uint32_t buf, const __nv_bfloat16* const* rowptr,
+// constant strides, so nothing per chunk stays live across the main loop.  Each warp instruction copies 4 rows x 128 contiguous bytes.
+__device__ __forceinline__ void load_kv_tile(uint32_t buf, const __nv_bfloat16* const* rowptr,
                                                 const void* dummy) {
-  static_assert(BN * 8 == NTHREADS && CHUNKS_PER_ROW % 8 == 0, "v2 tile loader mapping");
+  static_assert(BN * 8 == NTHREADS && CHUNKS_PER_ROW % 8 == 0, "tile loader mapping");
   const int i = threadIdx.x >> 3, c0 = threadIdx.x & 7;
   const __nv_bfloat16* src = rowptr[i];
   const uint32_t dst = buf + (uint32_t)((i * KV_STRIDE + c0 * 8) * 2);
@@ -132,7 +127,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     rowptr_sm[BN + tid] = row_ptr(a, rq, kbeg + BN + tid, kend, s1);
   }
   __syncthreads();
-  load_kv_tile_v2(smem_u32(kvbuf0), rowptr_sm, a.kv_buffer);
+  load_kv_tile(smem_u32(kvbuf0), rowptr_sm, a.kv_buffer);
   cp_async_commit();
 
   // ---- S-phase role and Q fragments (global -> registers, A-fragment layout of m16n8k16)
@@ -189,7 +184,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       __syncthreads();
     }
     const Req& R = *rq_sm;
-    if (it + 1 < ntiles) load_kv_tile_v2(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
+    if (it + 1 < ntiles) load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
     cp_async_commit();
     if (tid < BN) {  // ring slot (it+2)%3 was last read at iteration it-1, before this iteration's barrier
       rowptr_sm[((it + 2) % RING) * BN + tid] = row_ptr(a, R, j0 + 2 * BN + tid, kend, pending);
@@ -208,7 +203,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
           uint32_t bfr[4];
-          ldsm_x4_a(bfr, cur_b + k_off + (uint32_t)((np * 16 * KV_STRIDE + ks * 16) * 2));
+          ldsm_x4(bfr, cur_b + k_off + (uint32_t)((np * 16 * KV_STRIDE + ks * 16) * 2));
           mma_bf16(s[2 * np], qf[ks], bfr[0], bfr[1]);
           mma_bf16(s[2 * np + 1], qf[ks], bfr[2], bfr[3]);
         }
@@ -255,7 +250,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      // Lazy rescaling as in v1: the running max moves only when a tile's max exceeds it by > 8.
+      // Lazy rescaling: the running max moves only when a tile's max exceeds it by > 8.
       float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
       if (!(mn0 > m_run0 + 8.f)) mn0 = m_run0;
       if (!(mn1 > m_run1 + 8.f)) mn1 = m_run1;
@@ -342,30 +337,12 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
         uint32_t vb[4][4];
 #pragma unroll
         for (int np = 0; np < 4; ++np)
-          ldsm_x4_t_a(vb[np], cur_b + v_off + (uint32_t)((ks * 16 * KV_STRIDE + np * 16) * 2));
-#ifdef MTV_V2_PHOIST
-        // Opt-in A/B variant: all four P fragments of this k-step loaded up front, outside the
-        // live-tile branches (rows of m16 tiles without a live row are read but unused). Measured
-        // 1-2 % slower than the default per-tile order on the H200 (bench/results/verify-2026-11-30.md).
-        uint32_t pa4[4][4];
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi) ldsm_x4_a(pa4[mi], p_addr + (uint32_t)((mi * 16 * P_STRIDE + ks * 16) * 2));
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi) {
-          if (mi < nmi) {
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-              mma_bf16(o_acc[mi][2 * np], pa4[mi], vb[np][0], vb[np][1]);
-              mma_bf16(o_acc[mi][2 * np + 1], pa4[mi], vb[np][2], vb[np][3]);
-            }
-          }
-        }
-#else
+          ldsm_x4_t(vb[np], cur_b + v_off + (uint32_t)((ks * 16 * KV_STRIDE + np * 16) * 2));
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
           if (mi < nmi) {
             uint32_t pa[4];
-            ldsm_x4_a(pa, p_addr + (uint32_t)((mi * 16 * P_STRIDE + ks * 16) * 2));
+            ldsm_x4(pa, p_addr + (uint32_t)((mi * 16 * P_STRIDE + ks * 16) * 2));
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
               mma_bf16(o_acc[mi][2 * np], pa, vb[np][0], vb[np][1]);
@@ -373,7 +350,6 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
             }
           }
         }
-#endif
       }
       const uint32_t fl = flag_sm[0];
       if (fl != 0u) {  // rare path: a draft row of this tile holds NaN/Inf in its V part
