@@ -41,7 +41,12 @@ CALLS_PER_GRAPH = 20
 VARIANTS = (((4096, 8, 2), 3), ((2048, 4, 4), 3), ((2048, 8, 2), 3), ((8192, 16, 1), 2), ((4096, 8, 2), 1),
             ((4096, 8, 2), 0))
 #: configurations tried per call under a graph on the small outputs (latency, not bandwidth)
-SMALL_VARIANTS = ((512, 4, 4), (1024, 4, 4), (1024, 2, 8), (2048, 4, 4), (4096, 8, 2))
+SMALL_VARIANTS = ((512, 4, 4), (1024, 4, 4), (1024, 2, 8), (2048, 4, 4), (4096, 8, 2), (8192, 8, 2))
+#: launch options tried per call under a graph on the small outputs (default tile): the first tile loaded
+#: before the decision word (spec), programmatic dependent launch (pdl: each call's launch overlaps the
+#: previous kernel), and publish (the record's sequence number behind a system-scope fence, as the hook does)
+LAUNCH_VARIANTS = {"spec": {"spec": True}, "pdl": {"pdl": True}, "spec+pdl": {"spec": True, "pdl": True},
+                   "publish": {"publish": True}}
 HIST_NAMES = {0: "off", 1: "tl.histogram", 2: "warp ballots", 3: "shared-memory columns (red.shared)"}
 
 
@@ -73,9 +78,10 @@ class Stats:
         self.dstate = torch.zeros(8, dtype=torch.int64, device=dev)
 
     def __call__(self, c: torch.Tensor, b: torch.Tensor, tile: tuple[int, int, int] | None = None,
-                 hist: bool = True, hist_mode: int | None = None) -> object:
-        return launch_stats(c, b, self.acc, self.rec, self.seq, self.sstate, self.dstate, publish=False, tile=tile,
-                            hist=hist, hist_mode=hist_mode)
+                 hist: bool = True, hist_mode: int | None = None, **launch: bool) -> object:
+        launch.setdefault("publish", False)
+        return launch_stats(c, b, self.acc, self.rec, self.seq, self.sstate, self.dstate, tile=tile,
+                            hist=hist, hist_mode=hist_mode, **launch)
 
 
 def graph_time(fn, reps: int = 200) -> float:
@@ -109,6 +115,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--results", default=None, help="markdown file to append to")
+    ap.add_argument("--no-variants", action="store_true", help="skip the 2 × 64 MiB tile/histogram sweep")
     args = ap.parse_args()
     dev = torch.device("cuda")
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -138,7 +145,8 @@ def main() -> int:
         bw = 2 * n * 2 / t
         res["fused"].append({"MiB_per_output": mib, "us": t * 1e6, "GBps": bw / 1e9, "frac_of_copy": bw / copy_bw,
                              "tile": list(TILE)})
-        if mib == 64:  # tile configurations (elements per tile, warps, programs per SM), histogram on/off
+        # tile configurations (elements per tile, warps, programs per SM), histogram on/off
+        if mib == 64 and not args.no_variants:
             for tile, mode in VARIANTS:
                 hist = mode != 0
                 k = st(c, b, tile, hist, mode or None)
@@ -165,10 +173,22 @@ def main() -> int:
             for tile in SMALL_VARIANTS:
                 per_tile[str(tile)] = 1e6 * graph_time(
                     lambda c=c, b=b, tile=tile: [st(c, b, tile) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
+        per_launch = {}
+        if b.numel() <= 2**21:
+            for name, kw in LAUNCH_VARIANTS.items():
+                try:
+                    tv = graph_time(lambda c=c, b=b, kw=kw: [st(c, b, **kw) for _ in range(CALLS_PER_GRAPH)])
+                    st.sstate[0] = 0
+                    tu = graph_time(lambda c=c, b=b, kw=kw: [st(c, b, **kw) for _ in range(CALLS_PER_GRAPH)])
+                    st.sstate[0] = 1
+                    per_launch[name] = {"us": 1e6 * tv / CALLS_PER_GRAPH, "unsampled_us": 1e6 * tu / CALLS_PER_GRAPH}
+                except Exception as e:  # a launch option this stack cannot do is reported, not fatal
+                    st.sstate[0] = 1
+                    per_launch[name] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
         res["graph_small"].append({"shape": list(shape), "bytes_both": nbytes, "us": t * 1e6, "goal_us": goal * 1e6,
                                    "meets_goal": t <= goal, "one_call_graph_us": t1 * 1e6,
                                    "unsampled_us": t0 * 1e6,
-                                   "us_per_tile": per_tile})
+                                   "us_per_tile": per_tile, "us_per_launch_option": per_launch})
     b = torch.randn(256, 64, 512, device=dev, dtype=torch.bfloat16)
     c = b + (1e-2 * torch.randn(256, 64, 512, device=dev)).to(torch.bfloat16)
     res["naive_torch_us_256x64x512"] = cuda_time(lambda: raw_stats_torch(c, b)) * 1e6
@@ -243,6 +263,10 @@ def render(r: dict) -> str:
         if g.get("us_per_tile"):
             lines.append("  - per call by tile (elements, warps, programs per SM): "
                          + ", ".join(f"{k} {v:.2f} µs" for k, v in g["us_per_tile"].items()))
+        if g.get("us_per_launch_option"):
+            lines.append("  - per call by launch option (sampled / unsampled): " + ", ".join(
+                f"{k} {v['us']:.2f} / {v['unsampled_us']:.2f} µs" if "us" in v else f"{k} {v['error']}"
+                for k, v in g["us_per_launch_option"].items()))
     lines.append(f"- naive torch diff pass (several ops) on 256×64×512: {r['naive_torch_us_256x64x512']:.0f} µs")
     h = r["host_us_per_call"]
     lines.append(f"- host time per call: baseline alone {h['baseline_direct']:.2f} µs, off {h['off']:.2f} µs "

@@ -312,6 +312,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-append", action="store_true", help="do not append to bench/results")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--shapes", help='explicit shapes "B,L,T,H;B,L,T,H"')
+    ap.add_argument("--no-resources", action="store_true", help="skip the sm_120 resource report (A/B runs)")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/verify.py needs a CUDA GPU", file=sys.stderr)
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
     tab = table(rows)
     nvcc = find_nvcc()
     res_tab = ""
-    if nvcc:
+    if nvcc and not ns.no_resources:
         try:
             res_tab = compile_check.format_table(
                 [x for x in compile_check.compile_reports(nvcc, ("120",)) if x.arch == "sm_120"]

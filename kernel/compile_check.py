@@ -21,7 +21,7 @@ from ._build import BASE_FLAGS, CSRC, MAIN_SOURCE, extra_flags, find_nvcc
 
 SM120_SMEM_LIMIT = 101376
 # kernels launched with dynamic shared memory -> name of the C ABI getter of its size
-DYNAMIC_SMEM_KERNELS = {"mtv_fwd_kernel"}
+DYNAMIC_SMEM_KERNELS = {"mtv_fwd_kernel<2>", "mtv_fwd_kernel<4>"}
 
 
 @dataclass
@@ -41,10 +41,15 @@ class KernelReport:
 
 
 def demangle(name: str) -> str:
+    """``_ZN3mtv14mtv_fwd_kernelILi4EEEv7MtvArgs`` -> ``mtv_fwd_kernel<4>`` (mtv:: names, int template args)."""
     m = re.match(r"_ZN(?:\d+\w+?)*?3mtv(\d+)", name)
     if m:
         n = int(m.group(1))
-        return name[m.end() : m.end() + n]
+        base = name[m.end() : m.end() + n]
+        args = re.match(r"I((?:Li-?\d+E)+)E", name[m.end() + n :])
+        if args:
+            base += "<" + ",".join(re.findall(r"Li(-?\d+)E", args.group(1))) + ">"
+        return base
     return name
 
 

@@ -59,8 +59,7 @@ if TYPE_CHECKING:
     from shadowd.hook.site import Bucket, ShadowSite
 
 __all__ = ["NMETA", "REC", "TILE", "DeviceState", "device_call", "fused_raw_stats", "gated_copy", "hist_mode_for",
-           "launch_stats",
-           "new_accumulator"]
+           "launch_stats", "new_accumulator", "pdl_supported"]
 
 NMETA = 12  # record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, spare
 REC = NMETA + NRAW
@@ -70,9 +69,10 @@ TILE = (4096, 8, 2)
 #: outputs up to SMALL_NUMEL elements use SMALL_TILE: one short tile per program keeps the latency of a
 #: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
 SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
-#: outputs up to SMALL_NUMEL elements also load their first tile before the call's decision arrives (it
-#: saves a memory round trip on sampled calls and costs that read on unsampled ones); up to POS_NUMEL the
-#: pass tracks the position of max |d| per element instead of re-reading it (latency over instructions)
+#: outputs up to SPEC_NUMEL elements load their first tile before the call's decision arrives (it saves
+#: a memory round trip on sampled calls and costs that read on unsampled ones); up to POS_NUMEL the pass
+#: tracks the position of max |d| per element instead of re-reading it (latency over instructions)
+SPEC_NUMEL = 2**17
 POS_NUMEL = 2**20
 REGS_PER_SM = 65536  # sm_80 .. sm_120
 #: histogram (shadowd.hook.triton_hist): 1 tl.histogram, 2 warp ballots, 3 per-thread shared-memory columns
@@ -106,6 +106,26 @@ class _Slot:
         self.heads = 1
 
 
+_PDL: dict[Any, bool] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the statistics kernel is launched with programmatic dependent launch on ``device``: sm_90+
+    and a Triton with the ``launch_pdl`` option. The kernel then waits for the previous kernel's writes
+    (``griddepcontrol.wait``) before its first read, and its launch overlaps that kernel's tail: about
+    0.5 µs less per call under a graph (bench/results/hook-2026-11-30.md)."""
+    if device not in _PDL:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
+            has_opt = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+        except ImportError:
+            has_opt = False
+        _PDL[device] = (not _INTERPRET and has_opt and device.type == "cuda"
+                        and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _PDL[device]
+
+
 def hist_mode_for(mode: int, warps: int) -> int:
     """The histogram mode really compiled for ``warps`` warps: the shared-memory columns (3) where they
     fit (COLS_WARPS), else warp ballots."""
@@ -118,14 +138,15 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                  seq: torch.Tensor, sstate: torch.Tensor, dstate: torch.Tensor, *, valid_rows: Any = None,
                  hard_scaled: float = 0.25, hard_rel_l2: float = 0.1, site_id: int = 0,
                  publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True,
-                 hist_mode: int | None = None) -> Any:
+                 hist_mode: int | None = None, spec: bool | None = None, pdl: bool | None = None) -> Any:
     """Launch the statistics kernel (one launch; no sync, no allocation when inputs are contiguous).
 
     Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
     (:func:`new_accumulator`); calls sharing one must be stream-ordered. Positions of max |d| are exact
     below 2^32 elements. ``tile`` (elements per tile, warps, programs per SM), ``hist`` and ``hist_mode``
-    (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) are benchmark knobs; the hook uses the
-    defaults."""
+    (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) and ``spec`` (load the first tile before the
+    decision word; default: outputs up to SPEC_NUMEL elements) and ``pdl`` (programmatic dependent launch;
+    default: :func:`pdl_supported`) are benchmark knobs; the hook uses the defaults."""
     c = cand.reshape(-1) if cand.is_contiguous() else cand.contiguous().reshape(-1)
     b = base.reshape(-1) if base.is_contiguous() else base.contiguous().reshape(-1)
     n = b.numel()
@@ -142,12 +163,16 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     nprog = max(1, min(per_sm * _sms(c.device), triton.cdiv(max(n, 1), block)))
     # registers capped so that per_sm programs fit one SM's 64 K registers (the loads in flight per SM
     # are what reaches the bandwidth); the interpreter takes no launch options
-    opts = {} if _INTERPRET else {"maxnreg": min(255, REGS_PER_SM // (warps * 32 * per_sm)) // 8 * 8}
+    opts: dict[str, Any] = {} if _INTERPRET else {"maxnreg": min(255, REGS_PER_SM // (warps * 32 * per_sm)) // 8 * 8}
+    pdl = pdl_supported(c.device) if pdl is None else (pdl and not _INTERPRET)
+    if pdl:
+        opts["launch_pdl"] = True
     return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
                            sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
                            hard_rel_l2 * hard_rel_l2, site_id, HAS_VALID=has_valid, BLOCK=block, VEC=vec, HIST=mode,
                            PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
-                           SPEC=n <= SMALL_NUMEL, POS=n <= POS_NUMEL, num_warps=warps, **opts)
+                           SPEC=(n <= SPEC_NUMEL) if spec is None else spec, POS=n <= POS_NUMEL,
+                           PDL=pdl, num_warps=warps, **opts)
 
 
 def gated_copy(src: torch.Tensor, run_flag: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ One launch per sampled call, no host synchronisation, no allocation (:func:`_sta
    into a ring slot (pinned host memory or a device tensor) and publishes the slot's sequence number
    last, behind a CTA barrier and a system-scope fence.
 
+On sm_90+ the kernel is launched with programmatic dependent launch (``PDL``): its launch overlaps the
+previous kernel (the candidate), and ``griddepcontrol.wait`` precedes its first read of memory.
+
 The number of real elements is read from device memory (``valid_ptr``: real token rows × row size),
 so padded graph batches are excluded; the per-call decision (``sstate[0]``) is read from device
 memory too, so the same captured graph computes statistics only on sampled replays.
@@ -200,15 +203,26 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static, BLOCK: tl.constexpr, VEC: 
             best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
                 c, b, lane, cols, rem, nfull, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, True, HIST,
                 NW, POS, ASM)
-    # (max |d|, its first flat position) of this program: from the rows' first maxima (POS, small
-    # outputs: no second read on the latency path) or by re-reading the vectors that hold them
+    # (max |d|, its first flat position) of this program as one key: from the rows' first maxima (POS,
+    # small outputs: one int64 max over the rows' keys, no second read on the latency path) or by
+    # re-reading the vectors that hold them
     if POS:
-        top = tl.max(best, axis=0)
         at = (best_t // VEC).to(tl.int64) * BLOCK + rows * VEC + best_t % VEC
-        pos = tl.min(tl.where((best == top) & (best >= 0), at, 9223372036854775807), axis=0)
+        key = tl.max(_key(best, at), axis=0)
     else:
         top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, False, BLOCK, VEC)
-    return top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist_final(ha, hb, lane, HIST, NW)
+        key = _key(top, pos)
+    return key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist_final(ha, hb, lane, HIST, NW)
+
+
+@triton.jit
+def _key(top, pos):
+    # max |d| (fp32 >= 0, whose bit pattern orders like the value) and its flat position as one int64:
+    # value bits high, inverted position low, so the larger key is the larger value and, among equal
+    # values, the first position (0: nothing compared)
+    return tl.where(top >= 0,
+                    (top.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tl.minimum(pos, POS_MASK - 1) ^ POS_MASK),
+                    0)
 
 
 @triton.jit
@@ -262,6 +276,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
         if HIST:
             ha, hb = hist_add(bins(d, lane, rem, cmp, True, False), ha, hb, HIST, NW)
     top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, True, BLOCK, VEC)
+    key = _key(top, pos)
     hist = hist_final(ha, hb, lane, HIST, NW)
     # counts in accumulator order from A_NAN_B: nan_b, inf_b, nan_c, inf_c, cand-only, base-only, 0, 0
     # (tl.join adds its new axis last, so nested joins interleave: this operand order flattens to it)
@@ -269,7 +284,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
     cnt = tl.join(tl.join(tl.join(nan_b, c_only), tl.join(nan_c, z)),
                   tl.join(tl.join(inf_b, b_only), tl.join(inf_c, z)))
     counts = tl.sum(tl.reshape(cnt, [ROWS, 8]).to(tl.int64), axis=0)
-    return top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts
+    return key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts
 
 
 @triton.jit(do_not_specialize=["n_static", "row_numel", "ring_size", "rec_size", "site_id"])
@@ -277,10 +292,13 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
                   ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id,
                   HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
                   PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr, NW: tl.constexpr,
-                  SPEC: tl.constexpr, POS: tl.constexpr):
+                  SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr):
     # Phase 1 (every program): a grid-stride pass over its tiles of the real elements (their count
     # read from device memory): fp32 per-row sums and maxima, a per-program log2 histogram.
     hist_declare(HIST, NW)
+    if PDL:  # programmatic dependent launch (sm_90+): the previous kernel's writes are visible after the wait
+        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
+                                  "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = n_static.to(tl.int64)
@@ -288,13 +306,13 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
         n = tl.minimum(tl.load(valid_ptr).to(tl.int64) * row_numel, n)
     go = tl.load(sstate_ptr) != 0  # do_stats, decided by the control kernel (or the host)
     n = tl.where(go, n, 0)
-    top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static.to(tl.int64),
-                                                                     BLOCK, VEC, HIST, NW, SPEC, POS, GPU)
+    key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static.to(tl.int64),
+                                                                BLOCK, VEC, HIST, NW, SPEC, POS, GPU)
     sums = _sums(s_abs, s_d2, s_b2, s_c2)
     counts = tl.zeros([8], tl.int64)
     if not (tl.sum(sums, axis=0) < float("inf")):  # a non-finite value in this program's tiles: redo exactly
-        top, pos, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts = _exact_pass(c_ptr, b_ptr, pid, nprog, n,
-                                                                                  BLOCK, VEC, HIST, NW)
+        key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts = _exact_pass(c_ptr, b_ptr, pid, nprog, n,
+                                                                             BLOCK, VEC, HIST, NW)
         sums = _sums(s_abs, s_d2, s_b2, s_c2)
 
     # Phase 2 (every program that saw data): fold its partials into the accumulator row with
@@ -302,11 +320,11 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
     # maxima of non-negative fp32 as their bit patterns — max |d| with its first position packed into
     # one int64 key (value bits high, inverted position low), so one atomic max keeps both.
     if tl.cdiv(n, BLOCK) > pid:
-        key = tl.where(top >= 0,
-                       (top.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tl.minimum(pos, POS_MASK - 1) ^ POS_MASK),
-                       0)
-        rel = tl.max(m_rel, axis=0).to(tl.int32, bitcast=True).to(tl.int64)
-        outs = tl.max(m_b, axis=0).to(tl.int32, bitcast=True).to(tl.int64)
+        # both fp32 maxima in one cross-warp reduction: [max rel |d|, max |b|]
+        i2 = tl.arange(0, 2)
+        mx = tl.max(tl.join(m_rel, m_b), axis=0).to(tl.int32, bitcast=True).to(tl.int64)
+        rel = tl.sum(tl.where(i2 == 0, mx, 0), axis=0)
+        outs = tl.sum(tl.where(i2 == 1, mx, 0), axis=0)
         i4 = tl.arange(0, 4)
         vmax = tl.where(i4 == A_KEY, key, tl.where(i4 == A_REL, rel, outs))
         tl.atomic_max(acc_ptr + i4, vmax, mask=(i4 < 3) & (vmax > 0), sem="relaxed")

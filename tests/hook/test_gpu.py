@@ -64,7 +64,7 @@ def test_gpu_fused_stats_match_float64(shape: tuple[int, ...], dtype: torch.dtyp
 
 
 TILE_MODES = [((4096, 8, 2), 3), ((1024, 4, 4), 3), ((2048, 8, 2), 3), ((512, 1, 8), 3), ((1024, 2, 8), 3),
-              ((8192, 16, 1), 2), ((4096, 8, 2), 2), ((4096, 8, 2), 1)]
+              ((8192, 16, 1), 2), ((4096, 8, 2), 2), ((4096, 8, 2), 1), ((8192, 8, 2), 3)]
 
 
 @pytest.mark.parametrize("tile,hist_mode", TILE_MODES)
@@ -100,6 +100,46 @@ def test_gpu_padded_rows_excluded() -> None:
     valid = torch.tensor([25], dtype=torch.int32, device="cuda")
     got = fused(c, b, valid)
     assert got["numel"] == 25 * 8 * 64 and got["cand_nonfinite"] == 0 and got["max_abs"] == 0.0
+
+
+def test_gpu_pdl_stats_read_what_the_previous_kernel_wrote() -> None:
+    """Launched with programmatic dependent launch (sm_90+), the statistics kernel starts before the kernel
+    that writes the candidate has finished; it must still see every value that kernel wrote. Captured in a
+    graph right behind a large matmul writing the candidate, replayed with new inputs each time."""
+    from shadowd.hook.device import NMETA, REC, launch_stats, new_accumulator, pdl_supported
+
+    if not pdl_supported(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("programmatic dependent launch needs sm_90+ and Triton's launch_pdl option")
+    x = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)
+    w = torch.randn(4096, 512, device="cuda").to(torch.bfloat16)
+    b = torch.zeros(2048, 512, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(b)
+    acc, rec = new_accumulator(b.device), torch.zeros(1, REC, dtype=torch.float64, device="cuda")
+    seq, dstate = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(8, dtype=torch.int64, device="cuda")
+    sstate = torch.zeros(16, dtype=torch.int64, device="cuda")
+    sstate[0] = sstate[12] = 1  # sampled, published into the one-record ring
+
+    def step() -> None:
+        torch.matmul(x, w, out=c)  # the candidate's writer: the statistics kernel's direct predecessor
+        launch_stats(c, b, acc, rec, seq, sstate, dstate, publish=False)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for i in range(4):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16) * (i + 1))
+        g.replay()
+        torch.cuda.synchronize()
+        got = finalize(rec[0, NMETA:].cpu().tolist())
+        ref = stats_torch(c.cpu(), b.cpu())
+        check(got, {k: v for k, v in ref.items() if k != "max_pos"})
+        assert got["max_abs"] > 0
 
 
 def _graph_site(mode: str, **cfg: object) -> tuple:

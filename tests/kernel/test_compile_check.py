@@ -27,4 +27,11 @@ def test_compile_check_passes(capsys):
     rc = compile_check.main([])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "sm_120" in out and "mtv_fwd_kernel" in out
+    assert "sm_120" in out and "mtv_fwd_kernel<2>" in out and "mtv_fwd_kernel<4>" in out
+
+
+def test_demangle_names_template_instantiations():
+    # both instantiations of the forward kernel are reported (and checked) separately
+    assert compile_check.demangle("_ZN3mtv14mtv_fwd_kernelILi4EEEv7MtvArgs") == "mtv_fwd_kernel<4>"
+    assert compile_check.demangle("_ZN3mtv14mtv_fwd_kernelILi2EEEv7MtvArgs") == "mtv_fwd_kernel<2>"
+    assert compile_check.demangle("_ZN3mtv18mtv_combine_kernelE7MtvArgs") == "mtv_combine_kernel"

@@ -132,6 +132,18 @@ def test_error_flag_on_too_small_max_q_len():
     assert int(flag.item()) & 2
 
 
+def test_error_flag_when_a_request_outgrows_the_small_call_schedule():
+    # max_q_len * heads <= 32 selects the schedule that computes two m16 row tiles per CTA; a request with
+    # more rows than declared (48 here) is flagged, not silently half computed
+    import mla_tree_verify
+
+    case = testing.make_case([10], [12], 4, seed=15, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    mla_tree_verify.tree_verify(*case.args(), error_flag=flag, max_q_len=8)
+    torch.cuda.synchronize()
+    assert int(flag.item()) & 2
+
+
 def test_cuda_graph_replay_matches_eager():
     import mla_tree_verify
 

@@ -44,15 +44,21 @@ extern "C" int mtv_tree_verify(const MtvArgs* args, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   static bool attr_done = false;  // benign race: setting the attribute twice is harmless
   if (!attr_done) {
-    cudaError_t e = cudaFuncSetAttribute(mtv::mtv_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaError_t e = cudaFuncSetAttribute(mtv::mtv_fwd_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          mtv::SMEM_BYTES);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(mtv::mtv_fwd_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, mtv::SMEM_BYTES);
     if (e != cudaSuccess) return e;
     attr_done = true;
   }
   const int64_t m_tiles = ((int64_t)a.max_q_len * a.heads + mtv::BM - 1) / mtv::BM;
   if (m_tiles > 65535 || a.batch > 65535) return mtv::ARG_SIZES;
   dim3 grid(a.num_splits, (unsigned)m_tiles, a.batch);
-  mtv::mtv_fwd_kernel<<<grid, mtv::NTHREADS, mtv::SMEM_BYTES, st>>>(a);
+  // at most 32 rows per request (one CTA, <= 2 live m16 tiles): every warp works in the S phase
+  if ((int64_t)a.max_q_len * a.heads <= mtv::QUARTER_MAX_ROWS)
+    mtv::mtv_fwd_kernel<4><<<grid, mtv::NTHREADS, mtv::SMEM_BYTES, st>>>(a);
+  else
+    mtv::mtv_fwd_kernel<2><<<grid, mtv::NTHREADS, mtv::SMEM_BYTES, st>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (a.num_splits > 1) {

@@ -9,17 +9,21 @@
 // Shared memory: 2 KV stages (2 x 37.4 KB), 16 KB S-partial exchange, P (5 KB), ring, stats.
 //
 // Per KV tile (BN = 32 rows), 8 warps:
-//   S   warp w -> m16 row tile smi = w>>1, K half kh = w&1 (288 columns, 18 k-steps):
+//   S   (template G = 2) warp w -> m16 row tile smi = w>>1, K half kp = w&1 (288 columns, 18 k-steps):
 //       18 x (2 ldmatrix.x4 + 4 mma); partial S (16 x 32 fp32, 16 regs) exchanged with the
 //       partner warp (w^1) through smem (one 64-thread named barrier); both warps then hold the
 //       full 16 x 32 S (same fp32 sums, a+b == b+a) and compute the same row max, but each
 //       exponentiates and stores only its own 16 columns of P (bf16).
+//       (G = 4, calls with at most 32 rows per request) warp w -> row tile w>>2, K quarter w&3
+//       (144 columns, 9 k-steps); the four partials summed as (p0+p1)+(p2+p3) by every warp of
+//       the group, each exponentiating its own 8 columns: no warp idles in S and the dependent
+//       mma chains are half as long (1.1x faster on (1, 200000, 4, 8), verify-2026-11-30.md).
 //   PV  warp w -> V columns w*64 .. +64 for all 64 rows (O: 4 x 8 m16n8 tiles, 128 regs):
 //       per k16 step 4 ldmatrix.x4.trans (V) + 4 ldmatrix.x4 (P) + 32 mma.
 //   per warp per tile: 136 mma, 52 ldmatrix (36 K + 8 V + 8 P), 2 barriers (1 CTA-wide after
-//   the cp.async wait, 1 CTA-wide before P.V) + 1 pair barrier.  m16 row tiles with no live row
+//   the cp.async wait, 1 CTA-wide before P.V) + 1 group barrier.  m16 row tiles with no live row
 //   (T*H - row0 < 64) are skipped in both phases (warp-uniform).
-// Draft tiles (holding rows >= L): the pair barrier becomes a CTA barrier so that non-finite V
+// Draft tiles (holding rows >= L): the group barrier becomes a CTA barrier so that non-finite V
 // values can be zeroed in smem after every warp's S reads and before P.V, then re-injected (as
 // NaN) only into rows that may see them; padded rows j >= kend get their V part zeroed too.
 #pragma once
@@ -28,11 +32,12 @@
 namespace mtv {
 
 constexpr int BM = 64;                        // query rows per CTA (4 m16 tiles)
+constexpr int QUARTER_MAX_ROWS = 32;          // calls with at most this many rows per request: G = 4
 constexpr int QK_HALF_STEPS = D_QK / 32;      // 18 k16 steps per K half
 constexpr int P_STRIDE = BN + 8;              // 80 B rows: conflict-free ldmatrix
 constexpr int P_BYTES = BM * P_STRIDE * 2;    // 5120
 constexpr int XCH_BYTES = NWARPS * 4 * 32 * 16;  // per warp 4 float4 per lane: 16384
-constexpr int STAT_BYTES = (BM + 2 * BM + BM) * 4 + 16 + 32;  // alpha, l (per K half), m, flag, Req
+constexpr int STAT_BYTES = (BM + 4 * BM + BM) * 4 + 16 + 32;  // alpha, l (per K part), m, flag, Req
 constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES + STAT_BYTES;
 static_assert(KV_TILE_BYTES % 128 == 0 && XCH_BYTES % 16 == 0 && P_BYTES % 16 == 0, "alignment");
 static_assert(D_QK % 32 == 0 && BN == 32 && NWARPS == 8 && D_V == NWARPS * 64, "warp layout");
@@ -48,9 +53,10 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-// Barrier of the two warps (64 threads) of m16 row tile smi: ids 1..4 (0 = __syncthreads).
-__device__ __forceinline__ void pair_sync(int smi) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(smi + 1), "r"(64) : "memory");
+// Barrier of the G warps (G*32 threads) of m16 row tile smi: ids 1..4 (0 = __syncthreads).  G is
+// fixed per CTA, so every id always counts the same threads.
+__device__ __forceinline__ void group_sync(int smi, int G) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(smi + 1), "r"(G * 32) : "memory");
 }
 __device__ __forceinline__ uint32_t ldg_u32(const __nv_bfloat16* p) {
   return __ldg(reinterpret_cast<const unsigned int*>(p));
@@ -66,7 +72,9 @@ __device__ __forceinline__ float4 lds_f4(uint32_t addr) {
 }
 // Issue cp.async for one BN x 576 KV tile at smem byte address buf (rows from rowptr; nullptr:
 // zero-fill).  Thread -> row tid/8, 16-byte chunks (tid%8) + 8k: one row address per thread and
-// constant strides, so nothing per chunk stays live across the main loop.  Each warp instruction copies 4 rows x 128 contiguous bytes.
+// constant strides, so nothing per chunk stays live across the main loop.  Each warp instruction
+// copies 4 rows x 128 contiguous bytes.  The nine copies go out back to back: spreading them over the
+// S-phase steps was 3-6 % slower on the H200 (bench/results/verify-2026-11-30.md).
 __device__ __forceinline__ void load_kv_tile(uint32_t buf, const __nv_bfloat16* const* rowptr,
                                                 const void* dummy) {
   static_assert(BN * 8 == NTHREADS && CHUNKS_PER_ROW % 8 == 0, "tile loader mapping");
@@ -85,7 +93,29 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// NKS k16 steps of one warp's S partial (16 rows x 32 KV columns): s += Q[:, part] . K[tile, part]^T.
+// (ptxas already runs the ldmatrix two steps ahead of the mma; a hand-pipelined version compiled to
+// the same schedule.)
+template <int NKS>
+__device__ __forceinline__ void s_steps(float (&s)[4][4], const uint32_t (&qf)[QK_HALF_STEPS][4], uint32_t kaddr) {
+#pragma unroll
+  for (int ks = 0; ks < NKS; ++ks) {
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t bfr[4];
+      ldsm_x4(bfr, kaddr + (uint32_t)((np * 16 * KV_STRIDE + ks * 16) * 2));
+      mma_bf16(s[2 * np], qf[ks], bfr[0], bfr[1]);
+      mma_bf16(s[2 * np + 1], qf[ks], bfr[2], bfr[3]);
+    }
+  }
+}
+
+// G: warps per m16 row tile in the S phase (2: K halves, for CTAs with 3-4 live row tiles; 4: K
+// quarters, for calls whose requests have at most 32 rows, T*H <= 32) - a template argument, chosen on
+// the host from (max_q_len, heads) only, so that each instantiation keeps its registers (no spills).
+template <int G>
 __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
+  static_assert(G == 2 || G == 4, "2 or 4 warps per row tile");
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* kvbuf0 = reinterpret_cast<__nv_bfloat16*>(smem);
   __nv_bfloat16* kvbuf1 = kvbuf0 + BN * KV_STRIDE;
@@ -94,8 +124,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   const __nv_bfloat16** rowptr_sm =
       reinterpret_cast<const __nv_bfloat16**>(smem + 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES);
   float* alpha_sm = reinterpret_cast<float*>(smem + 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES);
-  float* l_sm = alpha_sm + BM;  // [2][BM]: row sums of the two K-half warps
-  float* m_sm = l_sm + 2 * BM;
+  float* l_sm = alpha_sm + BM;  // [4][BM]: row sums of the G K-part warps (G = 2: the first two)
+  float* m_sm = l_sm + 4 * BM;
   uint32_t* flag_sm = reinterpret_cast<uint32_t*>(m_sm + BM);
   Req* rq_sm = reinterpret_cast<Req*>(flag_sm + 4);  // the request, re-read from smem inside the loop
 
@@ -115,7 +145,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   if (kbeg >= Ltot) return;
   const int kend = min(Ltot, kbeg + chunk);
   const int ntiles = (kend - kbeg + BN - 1) / BN;
-  const int nmi = min(4, (M - row0 + 15) >> 4);  // m16 row tiles holding at least one live row
+  // m16 row tiles holding at least one live row (G = 4 serves two; the host picks it only for calls of
+  // at most QUARTER_MAX_ROWS rows per request, and a request beyond that is flagged, its rows skipped)
+  if (G == 4 && M - row0 > QUARTER_MAX_ROWS && split == 0 && tid == 0) set_err(a.error_flag, ERR_Q_TILES);
+  const int nmi = min(G == 4 ? 2 : 4, (M - row0 + 15) >> 4);
 
   // ---- row addresses of tiles 0 and 1 -> ring (tile 2's index load stays in flight); tile 0 -> kvbuf0
   int64_t pending = 0;
@@ -130,10 +163,14 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   load_kv_tile(smem_u32(kvbuf0), rowptr_sm, a.kv_buffer);
   cp_async_commit();
 
-  // ---- S-phase role and Q fragments (global -> registers, A-fragment layout of m16n8k16)
-  const int smi = warp >> 1, kh = warp & 1;
+  // ---- S-phase role and Q fragments (global -> registers, A-fragment layout of m16n8k16).
+  // G warps share one m16 row tile and split K: G = 2 (K halves, 18 k-steps), or G = 4 (K quarters,
+  // 9 k-steps) when a call has at most 2 row tiles: then no warp idles in the S phase of a small
+  // (memory-bound) call and the mma chains are half as long.
+  const int smi = warp / G, kp = warp % G;
+  const int kcol0 = kp * (D_QK / G);  // first K column of this warp's part
   const int g = lane >> 2, c4 = lane & 3;
-  const bool s_active = smi < nmi;  // warp-uniform (both warps of a pair agree)
+  const bool s_active = smi < nmi;  // warp-uniform (all warps of a group agree)
   const int rA = row0 + smi * 16 + g, rB = rA + 8;
   const bool vA = rA < M, vB = rB < M;
   const int tA = vA ? rA / H : -1, tB = vB ? rB / H : -1;  // draft token of the row, -1: no row
@@ -141,36 +178,42 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   {
     const __nv_bfloat16* qp = reinterpret_cast<const __nv_bfloat16*>(a.q);
     const int ta = max(tA, 0), tb = max(tB, 0);
-    const __nv_bfloat16* qa = qp + (rq.q_start + ta) * a.q_s0 + (int64_t)(rA - ta * H) * a.q_s1 + kh * 288 + 2 * c4;
-    const __nv_bfloat16* qb = qp + (rq.q_start + tb) * a.q_s0 + (int64_t)(rB - tb * H) * a.q_s1 + kh * 288 + 2 * c4;
+    const __nv_bfloat16* qa = qp + (rq.q_start + ta) * a.q_s0 + (int64_t)(rA - ta * H) * a.q_s1 + kcol0 + 2 * c4;
+    const __nv_bfloat16* qb = qp + (rq.q_start + tb) * a.q_s0 + (int64_t)(rB - tb * H) * a.q_s1 + kcol0 + 2 * c4;
+    const int nks = QK_HALF_STEPS * 2 / G;
 #pragma unroll
     for (int ks = 0; ks < QK_HALF_STEPS; ++ks) {
-      qf[ks][0] = (s_active && vA) ? ldg_u32(qa + ks * 16) : 0u;
-      qf[ks][1] = (s_active && vB) ? ldg_u32(qb + ks * 16) : 0u;
-      qf[ks][2] = (s_active && vA) ? ldg_u32(qa + ks * 16 + 8) : 0u;
-      qf[ks][3] = (s_active && vB) ? ldg_u32(qb + ks * 16 + 8) : 0u;
+      const bool la = s_active && vA && ks < nks, lb = s_active && vB && ks < nks;
+      qf[ks][0] = la ? ldg_u32(qa + ks * 16) : 0u;
+      qf[ks][1] = lb ? ldg_u32(qb + ks * 16) : 0u;
+      qf[ks][2] = la ? ldg_u32(qa + ks * 16 + 8) : 0u;
+      qf[ks][3] = lb ? ldg_u32(qb + ks * 16 + 8) : 0u;
     }
   }
 
-  float o_acc[4][8][4];
+  // O accumulators of the row tiles this instantiation can hold (G = 4: two; 64 registers fewer)
+  constexpr int MI = G == 4 ? 2 : 4;
+  float o_acc[MI][8][4];
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
+  for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int n = 0; n < 8; ++n) o_acc[mi][n][0] = o_acc[mi][n][1] = o_acc[mi][n][2] = o_acc[mi][n][3] = 0.f;
-  // online-softmax state of rows rA / rB (identical in both warps of a pair); l is this
-  // thread's partial sum over its own columns (reduced over quad and pair at the end)
+  // online-softmax state of rows rA / rB (identical in every warp of a group); l is this
+  // thread's partial sum over its own columns (reduced over quad and group at the end)
   float m_run0 = -INFINITY, m_run1 = -INFINITY, l_run0 = 0.f, l_run1 = 0.f;
   const float sc = a.sm_scale * 1.4426950408889634f;
 
   // per-lane smem byte offsets of the ldmatrix sources
   const uint32_t kv_base = smem_u32(kvbuf0);
-  // S: K rows (n) lane-dependent, K columns kh*288 + ks*16 (+8 for lanes 8-15 / 24-31)
-  const uint32_t k_off = (uint32_t)((((lane >> 4) * 8 + (lane & 7)) * KV_STRIDE + kh * 288 + ((lane >> 3) & 1) * 8) * 2);
+  // S: K rows (n) lane-dependent, K columns kcol0 + ks*16 (+8 for lanes 8-15 / 24-31)
+  const uint32_t k_off = (uint32_t)((((lane >> 4) * 8 + (lane & 7)) * KV_STRIDE + kcol0 + ((lane >> 3) & 1) * 8) * 2);
   // PV: V rows (k) lane-dependent, V columns warp*64 + np*16 (+8 for lanes 16-31)
   const uint32_t v_off = (uint32_t)((((lane & 7) + ((lane >> 3) & 1) * 8) * KV_STRIDE + warp * 64 + (lane >> 4) * 8) * 2);
   const uint32_t p_addr = smem_u32(psm) + (uint32_t)(((lane & 15) * P_STRIDE + (lane >> 4) * 8) * 2);
+  // S-partial exchange: warp w's partial at w*2 KB (4 float4 per lane); the group's first warp is smi*G
+  // (G = 2: the partner's partial; G = 4: the group's first partial, the others 2 KB apart)
   const uint32_t xch_mine = smem_u32(xch) + (uint32_t)((warp * 4 * 32 + lane) * 16);
-  const uint32_t xch_peer = smem_u32(xch) + (uint32_t)(((warp ^ 1) * 4 * 32 + lane) * 16);
+  const uint32_t xch_other = smem_u32(xch) + (uint32_t)((((G == 2) ? (warp ^ 1) : smi * G) * 4 * 32 + lane) * 16);
 
   cp_async_wait_all();
   __syncthreads();
@@ -193,38 +236,41 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     if (tid == 0) flag_sm[0] = 0u;
     const bool draft_tile = j0 + BN > R.L;
 
-    // ---- S partial = Q[smi rows, kh half] . K[tile, kh half]^T, exchanged with the partner warp
+    // ---- S partial = Q[smi rows, K part kp] . K[tile, K part kp]^T, exchanged within the group
     float s[4][4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
     if (s_active) {
-#pragma unroll
-      for (int ks = 0; ks < QK_HALF_STEPS; ++ks) {
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          uint32_t bfr[4];
-          ldsm_x4(bfr, cur_b + k_off + (uint32_t)((np * 16 * KV_STRIDE + ks * 16) * 2));
-          mma_bf16(s[2 * np], qf[ks], bfr[0], bfr[1]);
-          mma_bf16(s[2 * np + 1], qf[ks], bfr[2], bfr[3]);
-        }
-      }
+      if (G == 2) s_steps<QK_HALF_STEPS>(s, qf, cur_b + k_off);
+      else s_steps<QK_HALF_STEPS / 2>(s, qf, cur_b + k_off);
 #pragma unroll
       for (int n = 0; n < 4; ++n) sts_f4(xch_mine + n * 512, s[n]);
     }
     // Draft tiles are sanitised in place below (after every warp's S reads): CTA barrier.
-    // Prefix tiles: pair barrier, executed by EVERY pair, live or not (both warps of a pair share
-    // s_active, so barrier smi+1 always sees exactly its 64 threads).  Skipping it in pairs without
+    // Prefix tiles: group barrier, executed by EVERY group, live or not (the warps of a group share
+    // s_active, so barrier smi+1 always sees exactly its G*32 threads).  Skipping it in groups without
     // a live row (nmi < 4) left warps with different barrier counts, and compute-sanitizer
     // racecheck, which orders accesses by barrier phase, then reported every later exchange
     // (alpha, P, l/m, V vs the next cp.async) as a race (15 hazards).
-    if (draft_tile) __syncthreads(); else pair_sync(smi);
+    if (draft_tile) __syncthreads(); else group_sync(smi, G);
 
-    // ---- full S rows (own + partner partial), select-masking, online softmax, own 16 columns of P
+    // ---- full S rows (the group's partials, summed in the same order by every warp of the group, so
+    // all hold identical S), select-masking, online softmax, own 32/G columns of P
     if (s_active) {
+      if (G == 2) {  // own + partner (a + b == b + a)
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const float4 v = lds_f4(xch_peer + n * 512);
-        s[n][0] += v.x; s[n][1] += v.y; s[n][2] += v.z; s[n][3] += v.w;
+        for (int n = 0; n < 4; ++n) {
+          const float4 v = lds_f4(xch_other + n * 512);
+          s[n][0] += v.x; s[n][1] += v.y; s[n][2] += v.z; s[n][3] += v.w;
+        }
+      } else {  // (p0 + p1) + (p2 + p3), all read back from smem
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float4 v0 = lds_f4(xch_other + n * 512), v1 = lds_f4(xch_other + 2048 + n * 512);
+          const float4 v2 = lds_f4(xch_other + 4096 + n * 512), v3 = lds_f4(xch_other + 6144 + n * 512);
+          s[n][0] = (v0.x + v1.x) + (v2.x + v3.x); s[n][1] = (v0.y + v1.y) + (v2.y + v3.y);
+          s[n][2] = (v0.z + v1.z) + (v2.z + v3.z); s[n][3] = (v0.w + v1.w) + (v2.w + v3.w);
+        }
       }
       if (!draft_tile && j0 + BN <= kend) {  // prefix-only tile inside the split: all visible
 #pragma unroll
@@ -263,20 +309,24 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       __nv_bfloat16* prow = psm + (smi * 16 + g) * P_STRIDE + 2 * c4;
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        // own columns: n8 tiles 2kh, 2kh+1 (selected without a runtime array index: s stays in registers)
-        const float x0 = kh ? s[2 + h2][0] : s[h2][0], x1 = kh ? s[2 + h2][1] : s[h2][1];
-        const float x2 = kh ? s[2 + h2][2] : s[h2][2], x3 = kh ? s[2 + h2][3] : s[h2][3];
-        const float p0 = fast_exp2(x0 - mu0), p1 = fast_exp2(x1 - mu0);
-        const float p2 = fast_exp2(x2 - mu1), p3 = fast_exp2(x3 - mu1);
+        // own columns: n8 tiles 2kp, 2kp+1 (G = 2) or kp (G = 4), selected without a runtime array
+        // index (s stays in registers)
+        if (G == 4 && h2 == 1) break;
+        const int n = G == 2 ? kp * 2 + h2 : kp;
+        float x[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          x[e] = G == 2 ? (kp ? s[2 + h2][e] : s[h2][e]) : (n == 0 ? s[0][e] : n == 1 ? s[1][e] : n == 2 ? s[2][e] : s[3][e]);
+        const float p0 = fast_exp2(x[0] - mu0), p1 = fast_exp2(x[1] - mu0);
+        const float p2 = fast_exp2(x[2] - mu1), p3 = fast_exp2(x[3] - mu1);
         rs0 += p0 + p1;
         rs1 += p2 + p3;
-        const int n = kh * 2 + h2;
         *reinterpret_cast<uint32_t*>(prow + n * 8) = pack_bf16x2(p0, p1);
         *reinterpret_cast<uint32_t*>(prow + 8 * P_STRIDE + n * 8) = pack_bf16x2(p2, p3);
       }
       l_run0 = l_run0 * al0 + rs0;
       l_run1 = l_run1 * al1 + rs1;
-      if (kh == 0 && c4 == 0) {
+      if (kp == 0 && c4 == 0) {
         alpha_sm[smi * 16 + g] = al0;
         alpha_sm[smi * 16 + g + 8] = al1;
       }
@@ -315,17 +365,17 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
 
     // ---- O[:, warp*64 .. +64] = alpha * O + P . V   (live m16 row tiles only)
     {
-      float al[4][2];
+      float al[MI][2];
       bool resc = false;
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
+      for (int mi = 0; mi < MI; ++mi) {
         al[mi][0] = (mi < nmi) ? alpha_sm[mi * 16 + g] : 1.f;
         al[mi][1] = (mi < nmi) ? alpha_sm[mi * 16 + g + 8] : 1.f;
         resc |= (al[mi][0] != 1.f) || (al[mi][1] != 1.f);
       }
       if (__any_sync(0xffffffffu, resc)) {
 #pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
           for (int n = 0; n < 8; ++n) {
             o_acc[mi][n][0] *= al[mi][0]; o_acc[mi][n][1] *= al[mi][0];
@@ -339,7 +389,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
         for (int np = 0; np < 4; ++np)
           ldsm_x4_t(vb[np], cur_b + v_off + (uint32_t)((ks * 16 * KV_STRIDE + np * 16) * 2));
 #pragma unroll
-        for (int mi = 0; mi < 4; ++mi) {
+        for (int mi = 0; mi < MI; ++mi) {
           if (mi < nmi) {
             uint32_t pa[4];
             ldsm_x4(pa, p_addr + (uint32_t)((mi * 16 * P_STRIDE + ks * 16) * 2));
@@ -359,7 +409,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
           const int d = j0 + i - R.L;
           const __nv_bfloat16* vrow = kd + (R.q_start + d) * a.kd_s0;
 #pragma unroll
-          for (int mi = 0; mi < 4; ++mi) {
+          for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
               const int r = row0 + mi * 16 + g + hr * 8;
@@ -385,9 +435,9 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
     l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 2);
     if (c4 == 0) {
-      l_sm[kh * BM + smi * 16 + g] = l_run0;
-      l_sm[kh * BM + smi * 16 + g + 8] = l_run1;
-      if (kh == 0) {
+      l_sm[kp * BM + smi * 16 + g] = l_run0;
+      l_sm[kp * BM + smi * 16 + g + 8] = l_run1;
+      if (kp == 0) {
         m_sm[smi * 16 + g] = m_run0;
         m_sm[smi * 16 + g + 8] = m_run1;
       }
@@ -397,14 +447,15 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
 
   // ---- epilogue: warp writes its 64 columns of every live row
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi) {
+  for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int lr = mi * 16 + g + hr * 8;
       const int r = row0 + lr;
       if (mi >= nmi || r >= M) continue;
       const int t = r / H, h = r - t * H;
-      const float l = l_sm[lr] + l_sm[BM + lr], m = m_sm[lr];
+      const float l = G == 2 ? l_sm[lr] + l_sm[BM + lr] : (l_sm[lr] + l_sm[BM + lr]) + (l_sm[2 * BM + lr] + l_sm[3 * BM + lr]);
+      const float m = m_sm[lr];
       const float inv = (l > 0.f) ? 1.f / l : (l == 0.f ? 0.f : l);
       const float lse2 = (l > 0.f) ? m + log2f(l) : (l == 0.f ? -INFINITY : l);
       const int64_t tok = rq_sm->q_start + t;
