@@ -41,7 +41,8 @@ CALLS_PER_GRAPH = 20
 VARIANTS = (((4096, 8, 2), 3), ((2048, 4, 4), 3), ((2048, 8, 2), 3), ((8192, 16, 1), 2), ((4096, 8, 2), 1),
             ((4096, 8, 2), 0))
 #: configurations tried per call under a graph on the small outputs (latency, not bandwidth)
-SMALL_VARIANTS = ((512, 4, 4), (1024, 4, 4), (1024, 2, 8), (2048, 4, 4), (4096, 8, 2), (8192, 8, 2))
+SMALL_VARIANTS = ((512, 4, 4), (1024, 4, 4), (1024, 2, 8), (2048, 4, 4), (4096, 4, 4), (4096, 4, 2), (4096, 8, 2),
+                  (8192, 8, 2))
 #: launch options tried per call under a graph on the small outputs (default tile): the first tile loaded
 #: before the decision word (spec), programmatic dependent launch (pdl: each call's launch overlaps the
 #: previous kernel), and publish (the record's sequence number behind a system-scope fence, as the hook does)

@@ -122,22 +122,18 @@ def test_error_flag_on_out_of_range_slot():
     assert torch.isfinite(out).all()
 
 
-def test_error_flag_on_too_small_max_q_len():
+@pytest.mark.parametrize(
+    "tree,heads,seed",
+    [
+        (40, 8, 14),  # 64 declared rows (the 2-warps-per-row-tile schedule), 320 real ones
+        (12, 4, 15),  # 32 declared rows (the small-call schedule, two row tiles per CTA), 48 real ones
+    ],
+)
+def test_error_flag_when_a_request_has_more_rows_than_max_q_len(tree, heads, seed):
+    # a request with more draft tokens than max_q_len declares is flagged (bit 2), not silently half computed
     import mla_tree_verify
 
-    case = testing.make_case([10], [40], 4, seed=14, device="cuda")
-    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    mla_tree_verify.tree_verify(*case.args(), error_flag=flag, max_q_len=8)
-    torch.cuda.synchronize()
-    assert int(flag.item()) & 2
-
-
-def test_error_flag_when_a_request_outgrows_the_small_call_schedule():
-    # max_q_len * heads <= 32 selects the schedule that computes two m16 row tiles per CTA; a request with
-    # more rows than declared (48 here) is flagged, not silently half computed
-    import mla_tree_verify
-
-    case = testing.make_case([10], [12], 4, seed=15, device="cuda")
+    case = testing.make_case([10], [tree], heads, seed=seed, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     mla_tree_verify.tree_verify(*case.args(), error_flag=flag, max_q_len=8)
     torch.cuda.synchronize()
