@@ -5,7 +5,8 @@
 * :class:`HookConfig` — configuration from ``SHADOWD_*`` (and ``KDTREE_VERIFY``);
 * :class:`Streamer` — the non-blocking background sender with its on-disk spool;
 * :func:`stats_torch` — the diff statistics (CPU); the fused GPU pass lives in
-  ``shadowd.hook.triton_stats`` (its histogram in ``triton_hist``), the graph path's control kernels in
+  ``shadowd.hook.triton_stats`` (its histogram in ``triton_hist``, its accumulator row and last
+  program's record in ``triton_record``), the graph path's control kernels in
   ``triton_control``, their launches in ``shadowd.hook.device`` (imported only on CUDA);
 * :func:`replay_bundle` — rerun a repro bundle (``shadowd.hook.replay``).
 

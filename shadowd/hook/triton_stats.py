@@ -13,11 +13,12 @@ One launch per sampled call, no host synchronisation, no allocation (:func:`_sta
    ballots, or by ``tl.histogram`` in the interpreter: ``shadowd.hook.triton_hist``).
 2. every program folds its partials into the call site's accumulator row with device-scope atomics
    (fp64 sums, integer counts, maxima as bit patterns, max |d| and its first position as one int64
-   key) and then takes a ticket; the program drawing the last ticket turns the row into the raw vector
-   of ``shadowd.hook.diffstats`` (same layout, same definitions as the torch path), resets the row for
-   the next call, runs the on-mode hard-failure check (sticky device fallback flag), writes the record
-   into a ring slot (pinned host memory or a device tensor) and publishes the slot's sequence number
-   last, behind a CTA barrier and a system-scope fence.
+   key; the row's layout is in ``shadowd.hook.triton_record``) and then takes a ticket; the program
+   drawing the last ticket runs ``finish_record``: the row becomes the raw vector of
+   ``shadowd.hook.diffstats`` (same layout, same definitions as the torch path) and is reset for the
+   next call, the on-mode hard-failure check runs (sticky device fallback flag), and the record goes
+   into a ring slot (pinned host memory or a device tensor) whose sequence number is published last,
+   behind a CTA barrier and a system-scope fence.
 
 On sm_90+ the kernel is launched with programmatic dependent launch (``PDL``): its launch overlaps the
 previous kernel (the candidate), and ``griddepcontrol.wait`` precedes its first read of memory.
@@ -32,52 +33,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from shadowd.hook.diffstats import (
-    NRAW,
-    R_BASE_NF,
-    R_CAND_NF,
-    R_HIST,
-    R_INF_B,
-    R_INF_C,
-    R_MAX_ABS,
-    R_MAX_POS,
-    R_MAX_REL,
-    R_N_CMP,
-    R_NAN_B,
-    R_NAN_C,
-    R_NUMEL,
-    R_OUT_SCALE,
-    R_SUM_ABS,
-    R_SUM_B2,
-    R_SUM_C2,
-    R_SUM_D2,
-    TINY,
-)
+from shadowd.hook.diffstats import TINY
 from shadowd.hook.triton_hist import HB, bins, hist_add, hist_add_fast, hist_declare, hist_final, hist_init
+from shadowd.hook.triton_record import (
+    A_HIST,
+    A_KEY,
+    A_NAN_B,
+    A_REL,
+    A_TICKET,
+    ACC,
+    ACC_WORDS,
+    POS_MASK,
+    finish_record,
+)
 from shadowd.wire import HIST_BINS
 
 __all__ = ["ACC", "ACC_WORDS", "stats_kernel"]
 
-#: accumulator row (int64 words; the fp64 sums live in the 8 words after it, see ``ACC_WORDS``)
-ACC = 64
-A_KEY, A_REL, A_OUTS, A_NAN_B, A_INF_B, A_NAN_C, A_INF_C, A_CNF, A_BNF, A_TICKET = range(10)
-A_HIST = 16  # histogram bins 0..HIST_BINS-1
-F_ABS, F_D2, F_B2, F_C2 = range(4)  # fp64 sums
-#: words of one call site's accumulator buffer: ACC int64 words, then 8 fp64 words
-ACC_WORDS = ACC + 8
-POS_MASK = 2**32 - 1  # positions are kept in the key's low 32 bits (an output of < 2^32 elements)
-assert A_HIST + HIST_BINS <= ACC and NRAW <= 64 and HIST_BINS < 64
-
 # kernels may only read constexpr globals: rebind every constant they use
-(A_KEY, A_REL, A_OUTS, A_NAN_B, A_INF_B, A_NAN_C, A_INF_C, A_CNF, A_BNF, A_TICKET, A_HIST, F_ABS, F_D2, F_B2,
- F_C2, POS_MASK) = (tl.constexpr(v) for v in (A_KEY, A_REL, A_OUTS, A_NAN_B, A_INF_B, A_NAN_C, A_INF_C, A_CNF,
-                                              A_BNF, A_TICKET, A_HIST, F_ABS, F_D2, F_B2, F_C2, POS_MASK))
-ACC_C = tl.constexpr(ACC)
-(R_MAX_ABS, R_MAX_POS, R_SUM_ABS, R_MAX_REL, R_SUM_D2, R_SUM_B2, R_SUM_C2, R_OUT_SCALE, R_NAN_B, R_INF_B,
- R_NAN_C, R_INF_C, R_CAND_NF, R_BASE_NF, R_NUMEL, R_N_CMP, R_HIST, NRAW, TINY, HIST_BINS) = (
-    tl.constexpr(v) for v in (R_MAX_ABS, R_MAX_POS, R_SUM_ABS, R_MAX_REL, R_SUM_D2, R_SUM_B2, R_SUM_C2, R_OUT_SCALE,
-                              R_NAN_B, R_INF_B, R_NAN_C, R_INF_C, R_CAND_NF, R_BASE_NF, R_NUMEL, R_N_CMP, R_HIST,
-                              NRAW, TINY, HIST_BINS))
+TINY, HIST_BINS = tl.constexpr(TINY), tl.constexpr(HIST_BINS)
 
 
 @triton.jit
@@ -344,102 +318,8 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
         tl.debug_barrier()
         ticket = tl.atomic_add(acc_ptr + A_TICKET, 1, sem="acq_rel")
         if ticket == nprog - 1:
-            _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
+            finish_record(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
                     hard_scaled, hard_rel_l2_sq, site_id, PUBLISH, GPU, NMETA)
-
-
-@triton.jit
-def _finish(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr, hard_scaled,
-            hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr):
-    # The last program: the raw vector (layout of shadowd.hook.diffstats) from the accumulator row
-    # (L2 reads: the other programs' atomics live there), which it then resets for the next call
-    # (stream order makes plain stores enough); the on-mode hard-failure check (sticky device fallback
-    # flag); the record into a ring slot, and the slot's sequence number last, behind a CTA barrier
-    # and a system-scope fence.
-    key = tl.load(acc_ptr + A_KEY, cache_modifier=".cg")
-    rel = tl.load(acc_ptr + A_REL, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
-    outs = tl.load(acc_ptr + A_OUTS, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
-    nan_b = tl.load(acc_ptr + A_NAN_B, cache_modifier=".cg")
-    inf_b = tl.load(acc_ptr + A_INF_B, cache_modifier=".cg")
-    nan_c = tl.load(acc_ptr + A_NAN_C, cache_modifier=".cg")
-    inf_c = tl.load(acc_ptr + A_INF_C, cache_modifier=".cg")
-    cnf = tl.load(acc_ptr + A_CNF, cache_modifier=".cg")
-    bnf = tl.load(acc_ptr + A_BNF, cache_modifier=".cg")
-    s_abs = tl.load(accf_ptr + F_ABS, cache_modifier=".cg")
-    sd2 = tl.load(accf_ptr + F_D2, cache_modifier=".cg")
-    sb2 = tl.load(accf_ptr + F_B2, cache_modifier=".cg")
-    sc2 = tl.load(accf_ptr + F_C2, cache_modifier=".cg")
-    rcol = tl.arange(0, 64)
-    # raw-vector column j takes histogram bin j - R_HIST (the accumulator keeps bin k at A_HIST + k)
-    hist = tl.load(acc_ptr + A_HIST + (rcol - R_HIST), mask=(rcol >= R_HIST) & (rcol < NRAW), other=0,
-                   cache_modifier=".cg")
-    tl.debug_barrier()  # every read of the row happens before its reset
-    col = tl.arange(0, ACC_C)
-    tl.store(acc_ptr + col, tl.zeros([ACC_C], tl.int64))
-    tl.store(accf_ptr + tl.arange(0, 8), tl.zeros([8], tl.float64))
-    if go:
-        has = key > 0
-        top = tl.where(has, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64), 0.0)
-        pos = tl.where(has, ((key & POS_MASK) ^ POS_MASK).to(tl.float64), -1.0)
-        # compared = real positions minus those non-finite on either side
-        n_cmp = n - nan_c - inf_c - bnf
-        red = tl.where((rcol >= R_HIST) & (rcol < NRAW), hist.to(tl.float64), 0.0)
-        red = tl.where(rcol == R_MAX_ABS, top, red)
-        red = tl.where(rcol == R_MAX_POS, pos, red)
-        red = tl.where(rcol == R_SUM_ABS, s_abs, red)
-        red = tl.where(rcol == R_MAX_REL, rel.to(tl.float64), red)
-        red = tl.where(rcol == R_SUM_D2, sd2, red)
-        red = tl.where(rcol == R_SUM_B2, sb2, red)
-        red = tl.where(rcol == R_SUM_C2, sc2, red)
-        red = tl.where(rcol == R_OUT_SCALE, outs.to(tl.float64), red)
-        red = tl.where(rcol == R_NAN_B, nan_b.to(tl.float64), red)
-        red = tl.where(rcol == R_INF_B, inf_b.to(tl.float64), red)
-        red = tl.where(rcol == R_NAN_C, nan_c.to(tl.float64), red)
-        red = tl.where(rcol == R_INF_C, inf_c.to(tl.float64), red)
-        red = tl.where(rcol == R_CAND_NF, cnf.to(tl.float64), red)
-        red = tl.where(rcol == R_BASE_NF, bnf.to(tl.float64), red)
-        red = tl.where(rcol == R_NUMEL, n.to(tl.float64), red)
-        red = tl.where(rcol == R_N_CMP, n_cmp.to(tl.float64), red)
-        hard = (cnf > 0) | (top > hard_scaled * tl.maximum(outs.to(tl.float64), TINY)) | (sd2 > hard_rel_l2_sq * sb2)
-        use_cand = tl.load(sstate_ptr + 1) != 0
-        fb_old = tl.load(dstate_ptr + 3)
-        if use_cand & hard:
-            tl.store(dstate_ptr + 3, 1)
-        # a record is published on sampled / spot-checked calls, and always for a hard failure that
-        # the on-mode check caught; the ring position is taken here, in stream order
-        pub = (tl.load(sstate_ptr + 12) != 0) | (use_cand & hard)
-        if pub:
-            seq = tl.load(dstate_ptr + 2)
-            tl.store(dstate_ptr + 2, seq + 1)
-            slot = seq % ring_size
-            rec = rec_ptr + slot * rec_size
-            raw = rec + NMETA
-            tl.store(raw + rcol, red, mask=rcol < NRAW)
-            flags = (use_cand.to(tl.int64) + 2 * hard.to(tl.int64)
-                     + 4 * ((fb_old != 0) | (use_cand & hard)).to(tl.int64))
-            tl.store(rec + 1, tl.load(sstate_ptr + 5).to(tl.float64))  # call
-            tl.store(rec + 2, tl.load(sstate_ptr + 4).to(tl.float64))  # step
-            tl.store(rec + 3, tl.load(sstate_ptr + 3).to(tl.float64))  # mode
-            tl.store(rec + 4, flags.to(tl.float64))
-            t0 = tl.load(sstate_ptr + 6)
-            t1 = tl.load(sstate_ptr + 7)
-            t2 = tl.load(sstate_ptr + 8)
-            tl.store(rec + 5, (t1 - t0).to(tl.float64))  # baseline ns
-            tl.store(rec + 6, (t2 - t1).to(tl.float64))  # candidate ns
-            for j in tl.static_range(3):  # batch size, draft tokens, prefix length (set by the control kernel)
-                tl.store(rec + 7 + j, tl.load(sstate_ptr + 9 + j).to(tl.float64))
-            tl.store(rec + 10, site_id.to(tl.float64))
-            tl.store(rec, seq.to(tl.float64))
-            if PUBLISH:
-                # every record store above happens-before the sequence number: CTA barrier, then a
-                # system-scope fence whose output the store depends on (no host atomics needed)
-                tl.debug_barrier()
-                if GPU:
-                    pub_seq = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [seq + 1],
-                                                        dtype=tl.int64, is_pure=False, pack=1)
-                    tl.store(seq_ptr + slot, pub_seq)
-                else:  # the CPU interpreter (tests) has no inline assembly
-                    tl.store(seq_ptr + slot, seq + 1)
 
 
 stats_kernel = _stats_kernel

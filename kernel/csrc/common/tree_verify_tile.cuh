@@ -1,0 +1,78 @@
+// MLA tree-verify attention: the forward kernel's building blocks (tree_verify_fwd.cuh uses them) —
+// fragment moves between shared memory and registers (ldmatrix, named barriers, vector ld/st), the
+// KV tile's cp.async, and the S k-steps.
+#pragma once
+#include "tree_verify_kernel.cuh"
+
+namespace mtv {
+
+constexpr int QK_HALF_STEPS = D_QK / 32;  // 18 k16 steps per K half
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// Barrier of the G warps (G*32 threads) of m16 row tile smi: ids 1..4 (0 = __syncthreads).  G is
+// fixed per CTA, so every id always counts the same threads.
+__device__ __forceinline__ void group_sync(int smi, int G) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(smi + 1), "r"(G * 32) : "memory");
+}
+__device__ __forceinline__ uint32_t ldg_u32(const __nv_bfloat16* p) {
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+}
+__device__ __forceinline__ void sts_f4(uint32_t addr, const float (&v)[4]) {
+  asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+               : "memory");
+}
+__device__ __forceinline__ float4 lds_f4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+// Issue cp.async for one BN x 576 KV tile at smem byte address buf (rows from rowptr; nullptr:
+// zero-fill).  Thread -> row tid/8, 16-byte chunks (tid%8) + 8k: one row address per thread and
+// constant strides, so nothing per chunk stays live across the main loop.  Each warp instruction
+// copies 4 rows x 128 contiguous bytes.  The nine copies go out back to back: spreading them over the
+// S-phase steps was 3-6 % slower on the H200 (bench/results/verify-2026-11-30.md).
+__device__ __forceinline__ void load_kv_tile(uint32_t buf, const __nv_bfloat16* const* rowptr,
+                                                const void* dummy) {
+  static_assert(BN * 8 == NTHREADS && CHUNKS_PER_ROW % 8 == 0, "tile loader mapping");
+  const int i = threadIdx.x >> 3, c0 = threadIdx.x & 7;
+  const __nv_bfloat16* src = rowptr[i];
+  const uint32_t dst = buf + (uint32_t)((i * KV_STRIDE + c0 * 8) * 2);
+  const int sz = src != nullptr ? 16 : 0;
+  const char* sp = src != nullptr ? reinterpret_cast<const char*>(src + c0 * 8) : reinterpret_cast<const char*>(dummy);
+  const int step = src != nullptr ? 128 : 0;
+#pragma unroll
+  for (int k = 0; k < CHUNKS_PER_ROW / 8; ++k)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + k * 128), "l"(sp + k * step), "r"(sz));
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// NKS k16 steps of one warp's S partial (16 rows x 32 KV columns): s += Q[:, part] . K[tile, part]^T.
+// (ptxas already runs the ldmatrix two steps ahead of the mma; a hand-pipelined version compiled to
+// the same schedule.)
+template <int NKS>
+__device__ __forceinline__ void s_steps(float (&s)[4][4], const uint32_t (&qf)[QK_HALF_STEPS][4], uint32_t kaddr) {
+#pragma unroll
+  for (int ks = 0; ks < NKS; ++ks) {
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t bfr[4];
+      ldsm_x4(bfr, kaddr + (uint32_t)((np * 16 * KV_STRIDE + ks * 16) * 2));
+      mma_bf16(s[2 * np], qf[ks], bfr[0], bfr[1]);
+      mma_bf16(s[2 * np + 1], qf[ks], bfr[2], bfr[3]);
+    }
+  }
+}
+
+}  // namespace mtv
