@@ -12,6 +12,9 @@ Measures, with CUDA events (median of repeats):
 * hook overhead per call: off and validate (eager, host time) and validate under a graph (device time,
   graph of baseline+candidate alone vs the whole shadowed call).
 Writes JSON (``--out``) and prints a markdown block; ``--results`` appends it to a results file.
+``--latency-only`` measures just the per-call rows at the default tiles (with each kernel's registers and
+spills); with ``--shadowd-from DIR`` (a tree holding another revision's ``shadowd/``, e.g. from
+``git archive REV shadowd``) it measures that revision, so two revisions compare in one GPU session.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# shadowd is imported from ``--shadowd-from DIR`` (read before the imports) or else from this repo
+sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--shadowd-from") + 1]).resolve() if "--shadowd-from" in sys.argv
+                       else Path(__file__).resolve().parents[1]))
 
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.device import REC, TILE, hist_mode_for, launch_stats, new_accumulator
@@ -117,6 +122,10 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--results", default=None, help="markdown file to append to")
     ap.add_argument("--no-variants", action="store_true", help="skip the 2 × 64 MiB tile/histogram sweep")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="only the per-call rows under a graph, at the default tiles")
+    ap.add_argument("--shadowd-from", metavar="DIR", default=None,
+                    help="import shadowd from DIR (another revision's tree) instead of this repo")
     args = ap.parse_args()
     dev = torch.device("cuda")
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -135,10 +144,12 @@ def main() -> int:
     copy_bw = 2 * big.numel() / t
     res["copy_bw_GBps"] = copy_bw / 1e9
     del big, dst
+    if args.shadowd_from:
+        res["commit"] += f" (shadowd from {args.shadowd_from})"
     st = Stats()
     res["fused"] = []
     res["variants"] = []
-    for mib in (64, 256):
+    for mib in () if args.latency_only else (64, 256):
         n = mib * 2**20 // 2
         b = torch.randn(n, device=dev, dtype=torch.bfloat16)
         c = b + (1e-2 * torch.randn(n, device=dev)).to(torch.bfloat16)
@@ -162,6 +173,7 @@ def main() -> int:
     for shape in ((16, 8, 512), (64, 16, 512), (256, 64, 512), (1024, 64, 512)):
         b = torch.randn(shape, device=dev, dtype=torch.bfloat16)
         c = b + (1e-2 * torch.randn(shape, device=dev)).to(torch.bfloat16)
+        k = st(c, b)
         t = graph_time(lambda c=c, b=b: [st(c, b) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
         t1 = graph_time(lambda c=c, b=b: st(c, b))
         st.sstate[0] = 0  # an unsampled call: the same launch, the decision word says no statistics
@@ -170,12 +182,12 @@ def main() -> int:
         nbytes = 2 * b.numel() * 2
         goal = max(4e-6, 2 * nbytes / copy_bw)
         per_tile = {}
-        if b.numel() <= 2**23:
+        if b.numel() <= 2**23 and not args.latency_only:
             for tile in SMALL_VARIANTS:
                 per_tile[str(tile)] = 1e6 * graph_time(
                     lambda c=c, b=b, tile=tile: [st(c, b, tile) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
         per_launch = {}
-        if b.numel() <= 2**21:
+        if b.numel() <= 2**21 and not args.latency_only:
             for name, kw in LAUNCH_VARIANTS.items():
                 try:
                     tv = graph_time(lambda c=c, b=b, kw=kw: [st(c, b, **kw) for _ in range(CALLS_PER_GRAPH)])
@@ -188,8 +200,11 @@ def main() -> int:
                     per_launch[name] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
         res["graph_small"].append({"shape": list(shape), "bytes_both": nbytes, "us": t * 1e6, "goal_us": goal * 1e6,
                                    "meets_goal": t <= goal, "one_call_graph_us": t1 * 1e6,
-                                   "unsampled_us": t0 * 1e6,
+                                   "unsampled_us": t0 * 1e6, "regs": getattr(k, "n_regs", None),
+                                   "spills": getattr(k, "n_spills", None),
                                    "us_per_tile": per_tile, "us_per_launch_option": per_launch})
+    if args.latency_only:
+        return _emit(res, args)
     b = torch.randn(256, 64, 512, device=dev, dtype=torch.bfloat16)
     c = b + (1e-2 * torch.randn(256, 64, 512, device=dev)).to(torch.bfloat16)
     res["naive_torch_us_256x64x512"] = cuda_time(lambda: raw_stats_torch(c, b)) * 1e6
@@ -236,6 +251,10 @@ def main() -> int:
     val.device().poll()
     val.set_override("off")  # the same graph, statistics switched off by the kill switch
     res["graph_us_per_call"]["validate_graph_kill_switch_off"] = replay_time(gv) * 1e6
+    return _emit(res, args)
+
+
+def _emit(res: dict, args: argparse.Namespace) -> int:
     txt = render(res)
     print(txt)
     if args.out:
@@ -260,7 +279,8 @@ def render(r: dict) -> str:
         lines.append(f"- under a graph, output {tuple(g['shape'])} bf16: {g['us']:.2f} µs per call of "
                      f"{CALLS_PER_GRAPH} in one graph (goal ≤ {g['goal_us']:.2f} µs: "
                      f"{'met' if g['meets_goal'] else 'NOT met'}); one-call graph {g['one_call_graph_us']:.2f} µs "
-                     f"per replay; an unsampled call {g['unsampled_us']:.2f} µs")
+                     f"per replay; an unsampled call {g['unsampled_us']:.2f} µs ({g.get('regs')} registers, "
+                     f"{g.get('spills')} spills)")
         if g.get("us_per_tile"):
             lines.append("  - per call by tile (elements, warps, programs per SM): "
                          + ", ".join(f"{k} {v:.2f} µs" for k, v in g["us_per_tile"].items()))
@@ -268,6 +288,8 @@ def render(r: dict) -> str:
             lines.append("  - per call by launch option (sampled / unsampled): " + ", ".join(
                 f"{k} {v['us']:.2f} / {v['unsampled_us']:.2f} µs" if "us" in v else f"{k} {v['error']}"
                 for k, v in g["us_per_launch_option"].items()))
+    if "host_us_per_call" not in r:  # --latency-only
+        return "\n".join(lines) + "\n"
     lines.append(f"- naive torch diff pass (several ops) on 256×64×512: {r['naive_torch_us_256x64x512']:.0f} µs")
     h = r["host_us_per_call"]
     lines.append(f"- host time per call: baseline alone {h['baseline_direct']:.2f} µs, off {h['off']:.2f} µs "

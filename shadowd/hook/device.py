@@ -69,8 +69,12 @@ TILE = (4096, 8, 2)
 #: outputs up to SMALL_NUMEL elements use SMALL_TILE: one short tile per program keeps the latency of a
 #: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
 SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
-#: outputs up to SPEC_NUMEL elements load their first tile before the call's decision arrives (it saves
-#: a memory round trip on sampled calls and costs that read on unsampled ones); up to POS_NUMEL the pass
+#: outputs up to MID_NUMEL elements (one tile or two per SM) use MID_TILE: four warps, registers uncapped
+#: (64×16×512 bf16: 4.54 against 4.74 µs per call with TILE; 2 % slower than TILE at 2^23 elements)
+MID_NUMEL, MID_TILE = 2**20, (4096, 4, 2)
+#: outputs up to SPEC_NUMEL elements launched without PDL load their first tile before the call's decision
+#: arrives (it saves a memory round trip on sampled calls and costs that read on unsampled ones; under PDL
+#: the decision is read before the wait instead, at no cost); up to POS_NUMEL the pass
 #: tracks the position of max |d| per element instead of re-reading it (latency over instructions)
 SPEC_NUMEL = 2**17
 POS_NUMEL = 2**20
@@ -111,9 +115,10 @@ _PDL: dict[Any, bool] = {}
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether the statistics kernel is launched with programmatic dependent launch on ``device``: sm_90+
-    and a Triton with the ``launch_pdl`` option. The kernel then waits for the previous kernel's writes
-    (``griddepcontrol.wait``) before its first read, and its launch overlaps that kernel's tail: about
-    0.5 µs less per call under a graph (bench/results/hook-2026-11-30.md)."""
+    and a Triton with the ``launch_pdl`` option. Its launch then overlaps the previous kernel's tail: it
+    zeroes its histogram and reads the call's decision and real count (see :func:`launch_stats`' contract),
+    then waits for the previous kernel's writes (``griddepcontrol.wait``) before anything else
+    (bench/results/hook-2026-11-30.md)."""
     if device not in _PDL:
         try:
             from triton.backends.nvidia.compiler import CUDAOptions
@@ -145,8 +150,12 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     (:func:`new_accumulator`); calls sharing one must be stream-ordered. Positions of max |d| are exact
     below 2^32 elements. ``tile`` (elements per tile, warps, programs per SM), ``hist`` and ``hist_mode``
     (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) and ``spec`` (load the first tile before the
-    decision word; default: outputs up to SPEC_NUMEL elements) and ``pdl`` (programmatic dependent launch;
-    default: :func:`pdl_supported`) are benchmark knobs; the hook uses the defaults."""
+    decision word; default: outputs up to SPEC_NUMEL elements launched without PDL) and ``pdl`` (programmatic
+    dependent launch; default: :func:`pdl_supported`) are benchmark knobs; the hook uses the defaults.
+
+    Contract under PDL: the kernel reads the decision word ``sstate[0]`` and ``valid_rows`` before it waits
+    for the previous kernel, so the kernel directly before it on the stream must not write them (in the
+    hook that kernel is the timer stamp, which writes ``sstate[8]``); everything else it reads after."""
     c = cand.reshape(-1) if cand.is_contiguous() else cand.contiguous().reshape(-1)
     b = base.reshape(-1) if base.is_contiguous() else base.contiguous().reshape(-1)
     n = b.numel()
@@ -154,7 +163,7 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     has_valid = isinstance(valid_rows, torch.Tensor)
     if isinstance(valid_rows, int):
         n = min(n, valid_rows * row)
-    block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else TILE)
+    block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else MID_TILE if n <= MID_NUMEL else TILE)
     # histogram by inline PTX on the GPU (shared-memory columns, or warp ballots where the columns are not
     # compiled for this many warps); tl.histogram in the interpreter
     mode = (hist_mode or (1 if _INTERPRET else HIST_MODE)) if hist else 0
@@ -163,16 +172,20 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     nprog = max(1, min(per_sm * _sms(c.device), triton.cdiv(max(n, 1), block)))
     # registers capped so that per_sm programs fit one SM's 64 K registers (the loads in flight per SM
     # are what reaches the bandwidth); the interpreter takes no launch options
-    opts: dict[str, Any] = {} if _INTERPRET else {"maxnreg": min(255, REGS_PER_SM // (warps * 32 * per_sm)) // 8 * 8}
+    # (allocated per warp in steps of 8 per thread; 255, the most a thread can address, when the share allows 256)
+    share = REGS_PER_SM // (warps * 32 * per_sm)
+    opts: dict[str, Any] = {} if _INTERPRET else {"maxnreg": 255 if share >= 256 else share // 8 * 8}
     pdl = pdl_supported(c.device) if pdl is None else (pdl and not _INTERPRET)
     if pdl:
         opts["launch_pdl"] = True
+    if spec is None:  # under PDL the decision is read before the wait: a speculative load gains nothing
+        spec = n <= SPEC_NUMEL and not pdl
     return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
                            sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
                            hard_rel_l2 * hard_rel_l2, site_id, HAS_VALID=has_valid, BLOCK=block, VEC=vec, HIST=mode,
                            PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
-                           SPEC=(n <= SPEC_NUMEL) if spec is None else spec, POS=n <= POS_NUMEL,
-                           PDL=pdl, num_warps=warps, **opts)
+                           SPEC=spec, POS=n <= POS_NUMEL,
+                           PDL=pdl, ONE=nprog * block >= n, num_warps=warps, **opts)
 
 
 def gated_copy(src: torch.Tensor, run_flag: torch.Tensor) -> torch.Tensor:

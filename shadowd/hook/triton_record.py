@@ -36,7 +36,8 @@ from shadowd.hook.diffstats import (
 )
 from shadowd.wire import HIST_BINS
 
-__all__ = ["ACC", "ACC_WORDS", "A_HIST", "A_KEY", "A_NAN_B", "A_REL", "A_TICKET", "POS_MASK", "finish_record"]
+__all__ = ["ACC", "ACC_WORDS", "A_HIST", "A_KEY", "A_NAN_B", "A_REL", "A_TICKET", "F_ABS", "F_B2", "F_C2", "F_D2",
+           "POS_MASK", "finish_record", "record_inputs"]
 
 #: accumulator row (int64 words; the fp64 sums live in the 8 words after it, see ``ACC_WORDS``)
 ACC = 64
@@ -61,14 +62,33 @@ ACC_C = tl.constexpr(ACC)
 
 
 @triton.jit
-def finish_record(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
+def record_inputs(sstate_ptr, dstate_ptr):
+    """The words the finishing program needs besides the row, as a tuple: (use_cand, pub, seq, fb_old,
+    call, step, mode, baseline ns, candidate ns, batch, draft, prefix). Every program reads them before
+    its ticket, so they arrive while the ticket's round trip is under way and the last program's chain
+    is one read of the row. They are stable during the call: the control and stamp kernels wrote them
+    before this kernel's first read, and only the last program writes ``dstate`` — after reading them."""
+    use_cand = tl.load(sstate_ptr + 1) != 0
+    pub = tl.load(sstate_ptr + 12) != 0
+    seq = tl.load(dstate_ptr + 2)
+    fb_old = tl.load(dstate_ptr + 3)
+    t0 = tl.load(sstate_ptr + 6)
+    t1 = tl.load(sstate_ptr + 7)
+    t2 = tl.load(sstate_ptr + 8)
+    return (use_cand, pub, seq, fb_old, tl.load(sstate_ptr + 5), tl.load(sstate_ptr + 4), tl.load(sstate_ptr + 3),
+            t1 - t0, t2 - t1, tl.load(sstate_ptr + 9), tl.load(sstate_ptr + 10), tl.load(sstate_ptr + 11))
+
+
+@triton.jit
+def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
                   hard_scaled, hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, GPU: tl.constexpr,
                   NMETA: tl.constexpr):
-    # The last program: the raw vector (layout of shadowd.hook.diffstats) from the accumulator row
-    # (L2 reads: the other programs' atomics live there), which it then resets for the next call
-    # (stream order makes plain stores enough); the on-mode hard-failure check (sticky device fallback
-    # flag); the record into a ring slot, and the slot's sequence number last, behind a CTA barrier
-    # and a system-scope fence.
+    # The last program of a sampled call: the raw vector (layout of shadowd.hook.diffstats) from the
+    # accumulator row (L2 reads: the other programs' atomics live there), which it then resets for the
+    # next call (stream order makes plain stores enough); the on-mode hard-failure check (sticky device
+    # fallback flag); the record into a ring slot, and the slot's sequence number last, behind a CTA
+    # barrier and a system-scope fence. ``inputs``: :func:`record_inputs`.
+    use_cand, pub, seq, fb_old, call, step, mode, base_ns, cand_ns, batch, draft, prefix = inputs
     key = tl.load(acc_ptr + A_KEY, cache_modifier=".cg")
     rel = tl.load(acc_ptr + A_REL, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
     outs = tl.load(acc_ptr + A_OUTS, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
@@ -90,66 +110,59 @@ def finish_record(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_s
     col = tl.arange(0, ACC_C)
     tl.store(acc_ptr + col, tl.zeros([ACC_C], tl.int64))
     tl.store(accf_ptr + tl.arange(0, 8), tl.zeros([8], tl.float64))
-    if go:
-        has = key > 0
-        top = tl.where(has, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64), 0.0)
-        pos = tl.where(has, ((key & POS_MASK) ^ POS_MASK).to(tl.float64), -1.0)
-        # compared = real positions minus those non-finite on either side
-        n_cmp = n - nan_c - inf_c - bnf
-        red = tl.where((rcol >= R_HIST) & (rcol < NRAW), hist.to(tl.float64), 0.0)
-        red = tl.where(rcol == R_MAX_ABS, top, red)
-        red = tl.where(rcol == R_MAX_POS, pos, red)
-        red = tl.where(rcol == R_SUM_ABS, s_abs, red)
-        red = tl.where(rcol == R_MAX_REL, rel.to(tl.float64), red)
-        red = tl.where(rcol == R_SUM_D2, sd2, red)
-        red = tl.where(rcol == R_SUM_B2, sb2, red)
-        red = tl.where(rcol == R_SUM_C2, sc2, red)
-        red = tl.where(rcol == R_OUT_SCALE, outs.to(tl.float64), red)
-        red = tl.where(rcol == R_NAN_B, nan_b.to(tl.float64), red)
-        red = tl.where(rcol == R_INF_B, inf_b.to(tl.float64), red)
-        red = tl.where(rcol == R_NAN_C, nan_c.to(tl.float64), red)
-        red = tl.where(rcol == R_INF_C, inf_c.to(tl.float64), red)
-        red = tl.where(rcol == R_CAND_NF, cnf.to(tl.float64), red)
-        red = tl.where(rcol == R_BASE_NF, bnf.to(tl.float64), red)
-        red = tl.where(rcol == R_NUMEL, n.to(tl.float64), red)
-        red = tl.where(rcol == R_N_CMP, n_cmp.to(tl.float64), red)
-        hard = (cnf > 0) | (top > hard_scaled * tl.maximum(outs.to(tl.float64), TINY)) | (sd2 > hard_rel_l2_sq * sb2)
-        use_cand = tl.load(sstate_ptr + 1) != 0
-        fb_old = tl.load(dstate_ptr + 3)
-        if use_cand & hard:
-            tl.store(dstate_ptr + 3, 1)
-        # a record is published on sampled / spot-checked calls, and always for a hard failure that
-        # the on-mode check caught; the ring position is taken here, in stream order
-        pub = (tl.load(sstate_ptr + 12) != 0) | (use_cand & hard)
-        if pub:
-            seq = tl.load(dstate_ptr + 2)
-            tl.store(dstate_ptr + 2, seq + 1)
-            slot = seq % ring_size
-            rec = rec_ptr + slot * rec_size
-            raw = rec + NMETA
-            tl.store(raw + rcol, red, mask=rcol < NRAW)
-            flags = (use_cand.to(tl.int64) + 2 * hard.to(tl.int64)
-                     + 4 * ((fb_old != 0) | (use_cand & hard)).to(tl.int64))
-            tl.store(rec + 1, tl.load(sstate_ptr + 5).to(tl.float64))  # call
-            tl.store(rec + 2, tl.load(sstate_ptr + 4).to(tl.float64))  # step
-            tl.store(rec + 3, tl.load(sstate_ptr + 3).to(tl.float64))  # mode
-            tl.store(rec + 4, flags.to(tl.float64))
-            t0 = tl.load(sstate_ptr + 6)
-            t1 = tl.load(sstate_ptr + 7)
-            t2 = tl.load(sstate_ptr + 8)
-            tl.store(rec + 5, (t1 - t0).to(tl.float64))  # baseline ns
-            tl.store(rec + 6, (t2 - t1).to(tl.float64))  # candidate ns
-            for j in tl.static_range(3):  # batch size, draft tokens, prefix length (set by the control kernel)
-                tl.store(rec + 7 + j, tl.load(sstate_ptr + 9 + j).to(tl.float64))
-            tl.store(rec + 10, site_id.to(tl.float64))
-            tl.store(rec, seq.to(tl.float64))
-            if PUBLISH:
-                # every record store above happens-before the sequence number: CTA barrier, then a
-                # system-scope fence whose output the store depends on (no host atomics needed)
-                tl.debug_barrier()
-                if GPU:
-                    pub_seq = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [seq + 1],
-                                                        dtype=tl.int64, is_pure=False, pack=1)
-                    tl.store(seq_ptr + slot, pub_seq)
-                else:  # the CPU interpreter (tests) has no inline assembly
-                    tl.store(seq_ptr + slot, seq + 1)
+    has = key > 0
+    top = tl.where(has, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64), 0.0)
+    pos = tl.where(has, ((key & POS_MASK) ^ POS_MASK).to(tl.float64), -1.0)
+    # compared = real positions minus those non-finite on either side
+    n_cmp = n - nan_c - inf_c - bnf
+    red = tl.where((rcol >= R_HIST) & (rcol < NRAW), hist.to(tl.float64), 0.0)
+    red = tl.where(rcol == R_MAX_ABS, top, red)
+    red = tl.where(rcol == R_MAX_POS, pos, red)
+    red = tl.where(rcol == R_SUM_ABS, s_abs, red)
+    red = tl.where(rcol == R_MAX_REL, rel.to(tl.float64), red)
+    red = tl.where(rcol == R_SUM_D2, sd2, red)
+    red = tl.where(rcol == R_SUM_B2, sb2, red)
+    red = tl.where(rcol == R_SUM_C2, sc2, red)
+    red = tl.where(rcol == R_OUT_SCALE, outs.to(tl.float64), red)
+    red = tl.where(rcol == R_NAN_B, nan_b.to(tl.float64), red)
+    red = tl.where(rcol == R_INF_B, inf_b.to(tl.float64), red)
+    red = tl.where(rcol == R_NAN_C, nan_c.to(tl.float64), red)
+    red = tl.where(rcol == R_INF_C, inf_c.to(tl.float64), red)
+    red = tl.where(rcol == R_CAND_NF, cnf.to(tl.float64), red)
+    red = tl.where(rcol == R_BASE_NF, bnf.to(tl.float64), red)
+    red = tl.where(rcol == R_NUMEL, n.to(tl.float64), red)
+    red = tl.where(rcol == R_N_CMP, n_cmp.to(tl.float64), red)
+    hard = (cnf > 0) | (top > hard_scaled * tl.maximum(outs.to(tl.float64), TINY)) | (sd2 > hard_rel_l2_sq * sb2)
+    if use_cand & hard:
+        tl.store(dstate_ptr + 3, 1)
+    # a record is published on sampled / spot-checked calls, and always for a hard failure that the
+    # on-mode check caught; the ring position is taken here, in stream order
+    if pub | (use_cand & hard):
+        tl.store(dstate_ptr + 2, seq + 1)
+        slot = seq % ring_size
+        rec = rec_ptr + slot * rec_size
+        raw = rec + NMETA
+        tl.store(raw + rcol, red, mask=rcol < NRAW)
+        flags = (use_cand.to(tl.int64) + 2 * hard.to(tl.int64)
+                 + 4 * ((fb_old != 0) | (use_cand & hard)).to(tl.int64))
+        tl.store(rec + 1, call.to(tl.float64))
+        tl.store(rec + 2, step.to(tl.float64))
+        tl.store(rec + 3, mode.to(tl.float64))
+        tl.store(rec + 4, flags.to(tl.float64))
+        tl.store(rec + 5, base_ns.to(tl.float64))
+        tl.store(rec + 6, cand_ns.to(tl.float64))
+        tl.store(rec + 7, batch.to(tl.float64))  # batch size, draft tokens, prefix length (control kernel)
+        tl.store(rec + 8, draft.to(tl.float64))
+        tl.store(rec + 9, prefix.to(tl.float64))
+        tl.store(rec + 10, site_id.to(tl.float64))
+        tl.store(rec, seq.to(tl.float64))
+        if PUBLISH:
+            # every record store above happens-before the sequence number: CTA barrier, then a
+            # system-scope fence whose output the store depends on (no host atomics needed)
+            tl.debug_barrier()
+            if GPU:
+                pub_seq = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [seq + 1],
+                                                    dtype=tl.int64, is_pure=False, pack=1)
+                tl.store(seq_ptr + slot, pub_seq)
+            else:  # the CPU interpreter (tests) has no inline assembly
+                tl.store(seq_ptr + slot, seq + 1)

@@ -13,19 +13,22 @@ One launch per sampled call, no host synchronisation, no allocation (:func:`_sta
    ballots, or by ``tl.histogram`` in the interpreter: ``shadowd.hook.triton_hist``).
 2. every program folds its partials into the call site's accumulator row with device-scope atomics
    (fp64 sums, integer counts, maxima as bit patterns, max |d| and its first position as one int64
-   key; the row's layout is in ``shadowd.hook.triton_record``) and then takes a ticket; the program
-   drawing the last ticket runs ``finish_record``: the row becomes the raw vector of
+   key; the row's layout is in ``shadowd.hook.triton_record``), reads the few words the record needs
+   besides the row (``record_inputs``: they arrive during the ticket's round trip) and then takes a
+   ticket; the program drawing the last ticket runs ``finish_record``: the row becomes the raw vector of
    ``shadowd.hook.diffstats`` (same layout, same definitions as the torch path) and is reset for the
    next call, the on-mode hard-failure check runs (sticky device fallback flag), and the record goes
    into a ring slot (pinned host memory or a device tensor) whose sequence number is published last,
    behind a CTA barrier and a system-scope fence.
 
 On sm_90+ the kernel is launched with programmatic dependent launch (``PDL``): its launch overlaps the
-previous kernel (the candidate), and ``griddepcontrol.wait`` precedes its first read of memory.
+previous kernel (the candidate), and ``griddepcontrol.wait`` precedes its first read of memory (the
+histogram's shared memory is zeroed before it).
 
 The number of real elements is read from device memory (``valid_ptr``: real token rows × row size),
 so padded graph batches are excluded; the per-call decision (``sstate[0]``) is read from device
-memory too, so the same captured graph computes statistics only on sampled replays.
+memory too, so the same captured graph computes statistics only on sampled replays — an unsampled
+call's programs end right after reading it.
 """
 
 from __future__ import annotations
@@ -43,8 +46,12 @@ from shadowd.hook.triton_record import (
     A_TICKET,
     ACC,
     ACC_WORDS,
+    F_ABS,
+    F_B2,
+    F_D2,
     POS_MASK,
     finish_record,
+    record_inputs,
 )
 from shadowd.wire import HIST_BINS
 
@@ -88,10 +95,13 @@ def _fast_update(c, b, lane, cols, rem, t, best, best_t, s_abs, s_d2, s_b2, s_c2
 
 @triton.jit
 def _ratio(x, y, ASM: tl.constexpr):
-    # x / y: div.approx.f32 on the GPU (two instructions; y >= TINY here), exact in the interpreter
+    # x / y for TINY <= y: on the GPU x · rcp.approx.ftz(y), two instructions (div.approx.f32 costs about
+    # six: it guards y >= 2^126, whose reciprocal is subnormal and flushed here; the fast path never sees
+    # such a y, as |b| >= 2^64 overflows Σb² and sends the program to the exact redo), exact division in
+    # the interpreter
     if ASM:
-        r = tl.inline_asm_elementwise("div.approx.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+        r = x * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                          is_pure=True, pack=1)
     else:
         r = x / y
     return r
@@ -125,48 +135,74 @@ def _row_state(ROWS: tl.constexpr):
 
 
 @triton.jit
-def _sums(s_abs, s_d2, s_b2, s_c2):
-    # the four per-row fp32 sums reduced in fp64: [Σ|d|, Σd², Σb², Σc²] (tl.join adds its new axis
-    # last, so nested joins interleave: this operand order flattens to that order)
-    rows: tl.constexpr = s_abs.numel
-    return tl.sum(tl.reshape(tl.join(tl.join(s_abs, s_b2), tl.join(s_d2, s_c2)), [rows, 4]).to(tl.float64), axis=0)
+def _fold(k, a, d2, b2, c2, r, m, k2, a2, d22, b22, c22, r2, m2):
+    # the combine of :func:`_program_totals`: a max, four sums, two maxima
+    return tl.maximum(k, k2), a + a2, d2 + d22, b2 + b22, c2 + c22, tl.maximum(r, r2), tl.maximum(m, m2)
 
 
 @triton.jit
-def _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static, BLOCK: tl.constexpr, VEC: tl.constexpr,
-               HIST: tl.constexpr, NW: tl.constexpr, SPEC: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr):
+def _program_totals(keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b):
+    # the program's totals from its per-row state in ONE reduction (one exchange through shared memory
+    # and its barriers instead of one per quantity): the max key, the four sums in fp64, the two fp32
+    # maxima. Returns (key, [Σ|d|, Σd², Σb², Σc²] fp64 in accumulator order, max rel |d|, max |b|).
+    key, a, d2, b2, c2, rel, outs = tl.reduce((keys, s_abs.to(tl.float64), s_d2.to(tl.float64), s_b2.to(tl.float64),
+                                              s_c2.to(tl.float64), m_rel, m_b), 0, _fold)
+    i4 = tl.arange(0, 4)
+    sums = tl.where(i4 == F_ABS, a, tl.where(i4 == F_D2, d2, tl.where(i4 == F_B2, b2, c2)))
+    return key, sums, rel, outs
+
+
+@triton.jit
+def _tile_lanes(BLOCK: tl.constexpr, VEC: tl.constexpr):
+    # a tile's [ROWS, VEC] element offsets (int32) and its row and column indices
+    rows = tl.arange(0, BLOCK // VEC)
+    cols = tl.arange(0, VEC)
+    return rows[:, None] * VEC + cols[None, :], rows, cols
+
+
+@triton.jit
+def _first_tile(c_ptr, b_ptr, pid, bound, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    # the program's first full tile (zeros past the full tiles of ``bound`` elements), in storage dtype;
+    # tile t < bound // BLOCK as a per-lane mask that is uniform per tile (the loads stay vectorised)
+    lane, _rows, _cols = _tile_lanes(BLOCK, VEC)
+    go = lane < (bound // BLOCK - pid).to(tl.int64) * BLOCK
+    base = tl.cast(pid, tl.int64) * BLOCK
+    return tl.load(c_ptr + base + lane, mask=go, other=0.0), tl.load(b_ptr + base + lane, mask=go, other=0.0)
+
+
+@triton.jit
+def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr,
+               HIST: tl.constexpr, NW: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr, ONE: tl.constexpr):
     # The common case, every value finite: no masks on full tiles (vectorised loads, the next tile
     # loaded before the current one is reduced), no non-finite bookkeeping. A NaN or Inf anywhere (or
     # an overflowing |d|) makes Σ|d| non-finite, and the caller then redoes the program exactly.
+    # (c_nx, b_nx): the first tile (:func:`_first_tile`); (ha, hb): the histogram state (``hist_init``).
+    # ONE: the grid covers the output, so a program has at most one tile: no loop and no next tile held
+    # in registers (the latency path of per-layer outputs).
     ROWS: tl.constexpr = BLOCK // VEC
-    rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, VEC)
-    lane = rows[:, None] * VEC + cols[None, :]
+    lane, rows, cols = _tile_lanes(BLOCK, VEC)
     best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b = _row_state(ROWS)
-    ha, hb = hist_init(ROWS, HIST, NW)
     # addresses: one scalar base per tile plus the tile's (constant) int32 lane offsets
     nfull = (n // BLOCK).to(tl.int32)
     t = pid
-    # t < nfull, as a per-lane mask that is uniform per tile (the loads stay vectorised). SPEC (small
-    # outputs): the first tile's load is bounded by the static size only, so it does not wait for the
-    # real count and the call's decision to arrive from memory (a tile loaded past them is not used;
-    # on unsampled calls that is wasted reading, hence small outputs only)
-    go = lane < ((n_static if SPEC else n) // BLOCK - t).to(tl.int64) * BLOCK
-    base = tl.cast(t, tl.int64) * BLOCK
-    c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
-    b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
-    while t < nfull:
-        c = c_nx.to(tl.float32)
-        b = b_nx.to(tl.float32)
-        tt = t
-        t += nprog
-        go = lane < (nfull - t).to(tl.int64) * BLOCK
-        base = tl.cast(t, tl.int64) * BLOCK
-        c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
-        b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
-        best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
-            c, b, lane, cols, BLOCK, tt, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, False, HIST, NW,
-            POS, ASM)
+    if ONE:
+        if t < nfull:
+            best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
+                c_nx.to(tl.float32), b_nx.to(tl.float32), lane, cols, BLOCK, t, best, best_t, s_abs, s_d2, s_b2,
+                s_c2, m_rel, m_b, ha, hb, False, HIST, NW, POS, ASM)
+    else:
+        while t < nfull:
+            c = c_nx.to(tl.float32)
+            b = b_nx.to(tl.float32)
+            tt = t
+            t += nprog
+            go = lane < (nfull - t).to(tl.int64) * BLOCK
+            base = tl.cast(t, tl.int64) * BLOCK
+            c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
+            b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
+            best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
+                c, b, lane, cols, BLOCK, tt, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, False, HIST, NW,
+                POS, ASM)
     if nfull % nprog == pid:  # noqa: SIM102 - the partial last tile, if any, is the next program's
         if nfull.to(tl.int64) * BLOCK < n:
             base = nfull.to(tl.int64) * BLOCK
@@ -177,16 +213,15 @@ def _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static, BLOCK: tl.constexpr, VEC: 
             best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
                 c, b, lane, cols, rem, nfull, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, True, HIST,
                 NW, POS, ASM)
-    # (max |d|, its first flat position) of this program as one key: from the rows' first maxima (POS,
-    # small outputs: one int64 max over the rows' keys, no second read on the latency path) or by
-    # re-reading the vectors that hold them
+    # (max |d|, its first flat position) as int64 keys per row, reduced by the caller: from the rows'
+    # first maxima (POS, small outputs: no second read on the latency path) or, found by re-reading the
+    # vectors that hold them, the program's one key in every row
     if POS:
-        at = (best_t // VEC).to(tl.int64) * BLOCK + rows * VEC + best_t % VEC
-        key = tl.max(_key(best, at), axis=0)
+        keys = _key(best, (best_t // VEC).to(tl.int64) * BLOCK + rows * VEC + best_t % VEC)
     else:
         top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, False, BLOCK, VEC)
-        key = _key(top, pos)
-    return key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist_final(ha, hb, lane, HIST, NW)
+        keys = tl.full([ROWS], _key(top, pos), tl.int64)
+    return keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist_final(ha, hb, lane, HIST, NW)
 
 
 @triton.jit
@@ -205,9 +240,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
     # Every definition of shadowd.hook.diffstats, non-finite values included (compared positions only
     # in the sums and maxima; NaN / Inf counts per side; candidate-only and baseline-only positions).
     ROWS: tl.constexpr = BLOCK // VEC
-    rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, VEC)
-    lane = rows[:, None] * VEC + cols[None, :]
+    lane, rows, cols = _tile_lanes(BLOCK, VEC)
     best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b = _row_state(ROWS)
     nan_b = tl.zeros([ROWS], tl.int32)
     inf_b = tl.zeros([ROWS], tl.int32)
@@ -250,7 +283,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
         if HIST:
             ha, hb = hist_add(bins(d, lane, rem, cmp, True, False), ha, hb, HIST, NW)
     top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, True, BLOCK, VEC)
-    key = _key(top, pos)
+    keys = tl.full([ROWS], _key(top, pos), tl.int64)
     hist = hist_final(ha, hb, lane, HIST, NW)
     # counts in accumulator order from A_NAN_B: nan_b, inf_b, nan_c, inf_c, cand-only, base-only, 0, 0
     # (tl.join adds its new axis last, so nested joins interleave: this operand order flattens to it)
@@ -258,7 +291,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
     cnt = tl.join(tl.join(tl.join(nan_b, c_only), tl.join(nan_c, z)),
                   tl.join(tl.join(inf_b, b_only), tl.join(inf_c, z)))
     counts = tl.sum(tl.reshape(cnt, [ROWS, 8]).to(tl.int64), axis=0)
-    return key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts
+    return keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts
 
 
 @triton.jit(do_not_specialize=["n_static", "row_numel", "ring_size", "rec_size", "site_id"])
@@ -266,60 +299,69 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
                   ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id,
                   HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
                   PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr, NW: tl.constexpr,
-                  SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr):
-    # Phase 1 (every program): a grid-stride pass over its tiles of the real elements (their count
-    # read from device memory): fp32 per-row sums and maxima, a per-program log2 histogram.
+                  SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr, ONE: tl.constexpr):
+    # Phase 1 (every program of a sampled call): a grid-stride pass over its tiles of the real elements
+    # (their count read from device memory): fp32 per-row sums and maxima, a per-program log2 histogram.
+    # With PDL, what comes before the wait overlaps the previous kernel: the histogram's shared memory is
+    # zeroed, and the real count and the call's decision are read — launch_stats' contract: the kernel
+    # directly before this one on the stream does not write them (in the hook it is the timer stamp).
     hist_declare(HIST, NW)
-    if PDL:  # programmatic dependent launch (sm_90+): the previous kernel's writes are visible after the wait
-        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
-                                  "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = n_static.to(tl.int64)
+    # (read through L2 only: no L1 line of the decision word's neighbours, which the previous kernel may
+    # write — the timer stamp writes sstate[8] — survives into the reads after the wait)
     if HAS_VALID:
-        n = tl.minimum(tl.load(valid_ptr).to(tl.int64) * row_numel, n)
-    go = tl.load(sstate_ptr) != 0  # do_stats, decided by the control kernel (or the host)
-    n = tl.where(go, n, 0)
-    key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, pid, nprog, n, n_static.to(tl.int64),
-                                                                BLOCK, VEC, HIST, NW, SPEC, POS, GPU)
-    sums = _sums(s_abs, s_d2, s_b2, s_c2)
-    counts = tl.zeros([8], tl.int64)
-    if not (tl.sum(sums, axis=0) < float("inf")):  # a non-finite value in this program's tiles: redo exactly
-        key, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts = _exact_pass(c_ptr, b_ptr, pid, nprog, n,
-                                                                             BLOCK, VEC, HIST, NW)
-        sums = _sums(s_abs, s_d2, s_b2, s_c2)
-
-    # Phase 2 (every program that saw data): fold its partials into the accumulator row with
-    # device-scope atomics, one vector atomic per kind: fp64 sums, integer counts and histogram, and
-    # maxima of non-negative fp32 as their bit patterns — max |d| with its first position packed into
-    # one int64 key (value bits high, inverted position low), so one atomic max keeps both.
-    if tl.cdiv(n, BLOCK) > pid:
-        # both fp32 maxima in one cross-warp reduction: [max rel |d|, max |b|]
-        i2 = tl.arange(0, 2)
-        mx = tl.max(tl.join(m_rel, m_b), axis=0).to(tl.int32, bitcast=True).to(tl.int64)
-        rel = tl.sum(tl.where(i2 == 0, mx, 0), axis=0)
-        outs = tl.sum(tl.where(i2 == 1, mx, 0), axis=0)
-        i4 = tl.arange(0, 4)
-        vmax = tl.where(i4 == A_KEY, key, tl.where(i4 == A_REL, rel, outs))
-        tl.atomic_max(acc_ptr + i4, vmax, mask=(i4 < 3) & (vmax > 0), sem="relaxed")
-        tl.atomic_add(accf_ptr + i4, sums, mask=sums != 0, sem="relaxed")
-        i8 = tl.arange(0, 8)
-        tl.atomic_add(acc_ptr + A_NAN_B + i8, counts, mask=(i8 < 6) & (counts != 0), sem="relaxed")
-        if HIST:
-            hb = tl.arange(0, HB)
-            tl.atomic_add(acc_ptr + A_HIST + hb, hist.to(tl.int64), mask=(hb < HIST_BINS) & (hist != 0),
-                          sem="relaxed")
-    # every thread's atomics are ordered before this program's ticket: a CTA barrier, then the ticket's
-    # gpu-scope release by one thread (cumulative: it covers what the barrier ordered before it, as in
-    # the CUDA grid-sync pattern); the program that draws the last ticket acquires them all and finishes.
-    # An unsampled call (the decision word is 0) added nothing and takes no ticket: its programs end here
-    # instead of queueing on one atomic (the row and the ticket count stay zero for the next call).
+        n = tl.minimum(tl.load(valid_ptr, cache_modifier=".cg").to(tl.int64) * row_numel, n)
+    go = tl.load(sstate_ptr, cache_modifier=".cg") != 0
+    ha, hb = hist_init(BLOCK // VEC, HIST, NW)  # while those reads are under way
+    if PDL:  # programmatic dependent launch (sm_90+): the previous kernel's writes are visible after the wait
+        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
+                                  "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+    if SPEC:  # small outputs without PDL: the first tile is read before the real count and the decision arrive
+        c_nx, b_nx = _first_tile(c_ptr, b_ptr, pid, n_static.to(tl.int64), BLOCK, VEC)
+    # do_stats, decided by the control kernel (or the host): an unsampled call's programs end here
     if go:
+        if not SPEC:
+            c_nx, b_nx = _first_tile(c_ptr, b_ptr, pid, n, BLOCK, VEC)
+        keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog,
+                                                                     n, BLOCK, VEC, HIST, NW, POS, GPU, ONE)
+        key, sums, rel, outs = _program_totals(keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b)
+        counts = tl.zeros([8], tl.int64)
+        # a non-finite value in this program's tiles (or |b| >= 2^64: Σb² overflows): redo exactly
+        if not (tl.sum(sums, axis=0) < float("inf")):
+            keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts = _exact_pass(c_ptr, b_ptr, pid, nprog, n,
+                                                                                  BLOCK, VEC, HIST, NW)
+            key, sums, rel, outs = _program_totals(keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b)
+
+        # Phase 2 (every program that saw data): fold its totals into the accumulator row with
+        # device-scope atomics, one vector atomic per kind: fp64 sums, integer counts and histogram, and
+        # maxima of non-negative fp32 as their bit patterns — max |d| with its first position packed into
+        # one int64 key (value bits high, inverted position low), so one atomic max keeps both.
+        if tl.cdiv(n, BLOCK) > pid:
+            i4 = tl.arange(0, 4)
+            vmax = tl.where(i4 == A_KEY, key, tl.where(i4 == A_REL, rel.to(tl.int32, bitcast=True).to(tl.int64),
+                                                       outs.to(tl.int32, bitcast=True).to(tl.int64)))
+            tl.atomic_max(acc_ptr + i4, vmax, mask=(i4 < 3) & (vmax > 0), sem="relaxed")
+            tl.atomic_add(accf_ptr + i4, sums, mask=sums != 0, sem="relaxed")
+            i8 = tl.arange(0, 8)
+            tl.atomic_add(acc_ptr + A_NAN_B + i8, counts, mask=(i8 < 6) & (counts != 0), sem="relaxed")
+            if HIST:
+                hbin = tl.arange(0, HB)
+                tl.atomic_add(acc_ptr + A_HIST + hbin, hist.to(tl.int64), mask=(hbin < HIST_BINS) & (hist != 0),
+                              sem="relaxed")
+        # the finishing program's other inputs, read while the ticket's round trip is under way
+        inputs = record_inputs(sstate_ptr, dstate_ptr)
+        # every thread's atomics are ordered before this program's ticket: a CTA barrier, then the
+        # ticket's gpu-scope release by one thread (cumulative: it covers what the barrier ordered before
+        # it, as in the CUDA grid-sync pattern); the program that draws the last ticket acquires them all
+        # and finishes. An unsampled call added nothing and took no ticket (the row and the ticket count
+        # stay zero for the next call).
         tl.debug_barrier()
         ticket = tl.atomic_add(acc_ptr + A_TICKET, 1, sem="acq_rel")
         if ticket == nprog - 1:
-            finish_record(acc_ptr, accf_ptr, n, go, sstate_ptr, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
-                    hard_scaled, hard_rel_l2_sq, site_id, PUBLISH, GPU, NMETA)
+            finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
+                          hard_scaled, hard_rel_l2_sq, site_id, PUBLISH, GPU, NMETA)
 
 
 stats_kernel = _stats_kernel

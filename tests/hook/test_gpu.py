@@ -40,7 +40,7 @@ def fused(c: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None) -
 
 @pytest.mark.parametrize("shape,dtype", [((33, 4, 17), torch.bfloat16), ((256, 64, 512), torch.bfloat16),
                                          ((1000, 3), torch.float32), ((7, 5), torch.float16),
-                                         ((2048, 8, 512), torch.bfloat16)])
+                                         ((2048, 8, 512), torch.bfloat16), ((64, 16, 512), torch.bfloat16)])
 def test_gpu_fused_stats_match_float64(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(sum(shape))
     b = torch.randn(shape, generator=g).to(dtype)
@@ -64,7 +64,8 @@ def test_gpu_fused_stats_match_float64(shape: tuple[int, ...], dtype: torch.dtyp
 
 
 TILE_MODES = [((4096, 8, 2), 3), ((1024, 4, 4), 3), ((2048, 8, 2), 3), ((512, 1, 8), 3), ((1024, 2, 8), 3),
-              ((8192, 16, 1), 2), ((4096, 8, 2), 2), ((4096, 8, 2), 1), ((8192, 8, 2), 3), ((4096, 4, 4), 3)]
+              ((8192, 16, 1), 2), ((4096, 8, 2), 2), ((4096, 8, 2), 1), ((8192, 8, 2), 3), ((4096, 4, 4), 3),
+              ((4096, 4, 2), 3)]
 
 
 @pytest.mark.parametrize("tile,hist_mode", TILE_MODES)
@@ -91,6 +92,21 @@ def test_gpu_every_tile_and_histogram_mode_match(tile: tuple[int, int, int], his
         assert sum(got["hist"]) == cc.numel()
         if not planted:
             assert got["max_pos"] == ref["max_pos"] == 7777
+
+
+def test_gpu_max_rel_exact_where_the_fast_reciprocal_would_flush() -> None:
+    """The fast path's reciprocal flushes 1/|b| to zero for |b| >= 2^126; the largest relative difference
+    sitting at such values must still be reported (Σb² overflows there, so that program takes the exact
+    redo) while the other programs keep the fast path."""
+    g = torch.Generator().manual_seed(126)
+    b = torch.randn(64, 16, 512, generator=g)
+    c = b * (1 + 2.0**-22)  # relative difference <= 2^-22 everywhere ...
+    b.view(-1)[:4096] = 2.0**126 * (1 + torch.rand(4096, generator=g))
+    c.view(-1)[:4096] = b.view(-1)[:4096] * (1 + 2.0**-20)  # ... but 2^-20 at the huge values
+    got = fused(c.cuda(), b.cuda())
+    ref = reference(c.numpy(), b.numpy())
+    check(got, {k: ref[k] for k in ("max_abs", "max_rel", "numel", "out_scale")})
+    assert got["max_rel"] > 2.0**-21
 
 
 def test_gpu_padded_rows_excluded() -> None:
