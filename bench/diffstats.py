@@ -47,7 +47,11 @@ VARIANTS = (((4096, 8, 2), 3), ((2048, 4, 4), 3), ((2048, 8, 2), 3), ((8192, 16,
             ((4096, 8, 2), 0))
 #: configurations tried per call under a graph on the small outputs (latency, not bandwidth)
 SMALL_VARIANTS = ((512, 4, 4), (1024, 4, 4), (1024, 2, 8), (2048, 4, 4), (4096, 4, 4), (4096, 4, 2), (4096, 8, 2),
-                  (8192, 8, 2))
+                  (8192, 8, 2), (8192, 4, 2), (8192, 8, 1))
+#: outputs timed per call under a graph: per-layer verify outputs [T·B, H, 512], 2^16 .. 2^25 elements (the
+#: goal max(4 µs, 2·bytes / copy bw) turns from 4 µs to bandwidth at 2^21)
+SHAPES = ((16, 8, 512), (64, 16, 512), (128, 16, 512), (128, 32, 512), (256, 32, 512), (256, 64, 512),
+          (1024, 64, 512))
 #: launch options tried per call under a graph on the small outputs (default tile): the first tile loaded
 #: before the decision word (spec), programmatic dependent launch (pdl: each call's launch overlaps the
 #: previous kernel), and publish (the record's sequence number behind a system-scope fence, as the hook does)
@@ -170,7 +174,7 @@ def main() -> int:
                                         "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
         del b, c
     res["graph_small"] = []
-    for shape in ((16, 8, 512), (64, 16, 512), (256, 64, 512), (1024, 64, 512)):
+    for shape in SHAPES:
         b = torch.randn(shape, device=dev, dtype=torch.bfloat16)
         c = b + (1e-2 * torch.randn(shape, device=dev)).to(torch.bfloat16)
         k = st(c, b)

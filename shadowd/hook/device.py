@@ -70,7 +70,7 @@ TILE = (4096, 8, 2)
 #: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
 SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
 #: outputs up to MID_NUMEL elements (one tile or two per SM) use MID_TILE: four warps, registers uncapped
-#: (64×16×512 bf16: 4.54 against 4.74 µs per call with TILE; 2 % slower than TILE at 2^23 elements)
+#: (64×16×512 bf16 on the H200: 3.74 µs per call against 4.12 µs with TILE; bench/results/hook-2026-11-30.md)
 MID_NUMEL, MID_TILE = 2**20, (4096, 4, 2)
 #: outputs up to SPEC_NUMEL elements launched without PDL load their first tile before the call's decision
 #: arrives (it saves a memory round trip on sampled calls and costs that read on unsampled ones; under PDL

@@ -107,6 +107,17 @@ def test_gpu_max_rel_exact_where_the_fast_reciprocal_would_flush() -> None:
     ref = reference(c.numpy(), b.numpy())
     check(got, {k: ref[k] for k in ("max_abs", "max_rel", "numel", "out_scale")})
     assert got["max_rel"] > 2.0**-21
+    # and at zero or subnormal baseline values, where the fast path's reciprocal is infinite: |b| is
+    # floored at TINY (2^-126), so max rel |d| is large but finite
+    b2, c2 = b.clone(), c.clone()
+    b2.view(-1)[:4096] = 1.0
+    c2.view(-1)[:4096] = 1.0
+    b2.view(-1)[100_000:100_003] = torch.tensor([0.0, -0.0, 1e-40])
+    c2.view(-1)[100_000:100_003] = 2.0**-10
+    got2 = fused(c2.cuda(), b2.cuda())
+    ref2 = reference(c2.numpy(), b2.numpy())
+    check(got2, {k: ref2[k] for k in ("max_abs", "max_rel", "numel", "out_scale")})
+    assert math.isfinite(got2["max_rel"]) and got2["max_rel"] > 2.0**100
 
 
 def test_gpu_padded_rows_excluded() -> None:

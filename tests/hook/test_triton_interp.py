@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,6 +69,13 @@ for shape, dt, valid in (((9001,), torch.bfloat16, None), ((77, 130), torch.floa
     fast.append(all(math.isclose(g3[k], r3[k], rel_tol=1e-6) if isinstance(r3[k], float) else g3[k] == r3[k]
                     for k in r3))
 out["fast_path_equal"] = fast
+# a zero baseline under a nonzero difference: the fast path's d / |b| is infinite there, so the program is
+# redone exactly (|b| floored at TINY: a finite max rel)
+b4 = torch.randn(3000, generator=g)
+b4[::7] = 0.0
+c4 = b4 + 0.25
+g4, r4 = finalize(dev.fused_raw_stats(c4, b4).tolist()), stats_torch(c4, b4)
+out["zero_base"] = [g4["max_rel"], r4["max_rel"]]
 
 def base(x, w): return x.float() @ w.float()
 scale = torch.ones(1)
@@ -168,6 +176,7 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert r["stats_close"] and r["hist_equal"], r
     assert r["max_pos"][0] == r["max_pos"][1]
     assert r["fast_path_equal"] == [True, True], "all-finite outputs (fast path), max position included"
+    assert math.isfinite(r["zero_base"][1]) and math.isclose(*r["zero_base"], rel_tol=1e-6), r["zero_base"]
     assert r["eager_steps"] == [2, 4] and r["eager_numel"] == 12 * 8 and r["eager_bucket"] == [2, 16, 300, 4]
     assert r["eager_max_abs_ok"]
     assert r["device_steps"] == [6, 8], "sampling decided by the control kernel: every 2nd step"
