@@ -156,6 +156,8 @@ def time_eager(fn: Any, iters: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sample", type=int, default=1, metavar="N",
+                    help="validate samples 1 in N steps (under a graph the candidate gate idles it on the rest)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/sglang_hook.json")
     args = ap.parse_args()
     standins()
@@ -164,7 +166,7 @@ def main() -> None:
     import torch
     from sglang.srt.runtime_context import get_parallel
 
-    from shadowd.hook.config import HookConfig
+    from shadowd.hook.config import HookConfig, Sampling
     from shadowd.hook.runtime import HookRuntime, set_runtime
     from shadowd.sglang.verify import VerifyShadow
 
@@ -175,7 +177,8 @@ def main() -> None:
         shapes = shapes[:1]
     layers, iters = 4, 10
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "sglang": sglang.__version__, "layers_per_step": layers, "shapes": []}
+                               "sglang": sglang.__version__, "layers_per_step": layers,
+                               "validate_sample_every": max(1, args.sample), "shapes": []}
     with get_parallel().override(dcp_enabled=False):
         for shp in shapes:
             row: dict[str, Any] = dict(shp)
@@ -184,7 +187,8 @@ def main() -> None:
             row["off_eager_ms"] = time_eager(lambda case=case: step(case, original), iters)
             for mode in ("validate", "on"):
                 samples: list[dict[str, Any]] = []
-                rt = HookRuntime(HookConfig(mode=mode, spot_every=100), sink=samples.append)
+                rt = HookRuntime(HookConfig(mode=mode, spot_every=100, sampling=Sampling(max(1, args.sample))),
+                                 sink=samples.append)
                 set_runtime(rt)
                 hook = VerifyShadow(runtime=rt, first_layer=0)
 

@@ -30,7 +30,11 @@ skip a node, so a captured on-mode call runs the baseline too — unless the cal
 candidate's speed; spot-check replays run both and are checked before the select kernel chooses.
 Without a gate both run on every replay, so every on-mode call is checked (hard limits,
 candidate-only non-finite) before its output is chosen. A record is published on spot-check steps
-and for every hard failure.
+and for every hard failure. Likewise, in validate mode, a call site with a ``candidate_gate`` (the SGLang
+verify site) hands the candidate zero work sizes on replays that do not compare it: unsampled calls, the
+kill switch, a disabled candidate — so sampling 1 in N under a graph saves the candidate's time on the
+other N − 1 replays, as it does eagerly. (In on mode the candidate is served on almost every replay, so it
+is not gated: two more launches per call would cost more than the rare replays they would idle.)
 :meth:`DeviceState.poll` (called by the streamer's thread) drains the ring into samples.
 
 Limits of the CUDA path today: no oracle sampling and no repro bundles (both need the outputs on the
@@ -58,10 +62,12 @@ if TYPE_CHECKING:
     from shadowd.hook.runtime import HookRuntime
     from shadowd.hook.site import Bucket, ShadowSite
 
-__all__ = ["NMETA", "REC", "TILE", "DeviceState", "device_call", "fused_raw_stats", "gated_copy", "hist_mode_for",
-           "launch_stats", "new_accumulator", "pdl_supported"]
+__all__ = ["NMETA", "REC", "RUN_BASE", "RUN_CAND", "TILE", "DeviceState", "device_call", "fused_raw_stats",
+           "gated_copy", "hist_mode_for", "launch_stats", "new_accumulator", "pdl_supported"]
 
 NMETA = 12  # record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, spare
+#: decision words of a call (``_Slot.sstate``) read by the gate kernel: the baseline / the candidate must work
+RUN_BASE, RUN_CAND = 13, 14
 REC = NMETA + NRAW
 BLOCK = 1024  # elements per program of the select kernel
 #: statistics kernel: elements per tile, warps, programs per SM (bench/diffstats.py measures variants)
@@ -188,15 +194,20 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                            PDL=pdl, ONE=nprog * block >= n, num_warps=warps, **opts)
 
 
-def gated_copy(src: torch.Tensor, run_flag: torch.Tensor) -> torch.Tensor:
-    """A copy of the small int tensor ``src`` that holds zeros on calls whose baseline is gated off.
+def gated_copy(src: torch.Tensor, sstate: torch.Tensor, word: int = RUN_BASE) -> torch.Tensor:
+    """A copy of the small int tensor ``src`` that holds zeros on calls whose baseline (``word`` =
+    RUN_BASE) or candidate (RUN_CAND) is gated off.
 
-    ``run_flag`` is the call's decision word (``_Slot.sstate[13:]``); one tiny launch, no sync, graph-safe
-    (under capture the copy comes from the graph's pool and the kernel re-decides on every replay)."""
+    ``sstate`` is the call site's decision words (what a ``baseline_gate`` / ``candidate_gate`` receives);
+    one tiny launch, no sync, graph-safe (under capture the copy comes from the graph's pool and the
+    kernel re-decides on every replay)."""
+    if word not in (RUN_BASE, RUN_CAND):
+        raise ValueError(f"word: expected RUN_BASE ({RUN_BASE}) or RUN_CAND ({RUN_CAND}), got {word!r}")
     src = src.contiguous()
     dst = torch.empty_like(src)
     n = src.numel()
-    gate_kernel[(1,)](src, dst, n, run_flag, BLOCK=max(16, triton.next_power_of_2(max(n, 1))), num_warps=1)
+    gate_kernel[(1,)](src, dst, n, sstate, WORD=word, BLOCK=max(16, triton.next_power_of_2(max(n, 1))),
+                      num_warps=1)
     return dst
 
 
@@ -338,6 +349,8 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
         out_b = site.baseline(*args, **kwargs)
     stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer)
     cargs, ckwargs, watched = site._protect(args, kwargs)
+    if capturing and code == 1 and site.candidate_gate is not None:  # zero work on replays that do not use it
+        cargs, ckwargs = site.candidate_gate(slot.sstate, cargs, ckwargs)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
     stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer)
     if err is None and any(t._version != v for t, v in watched):

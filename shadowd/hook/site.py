@@ -41,9 +41,12 @@ import torch
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "ShadowSite", "max_abs_chunked"]
+__all__ = ["Bucket", "CandidateGate", "ShadowSite", "max_abs_chunked"]
 
 log = logging.getLogger("shadowd.hook")
+
+#: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)``, see :class:`ShadowSite`
+CandidateGate = Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 @dataclass
@@ -96,14 +99,21 @@ class ShadowSite:
                  oracle: Callable[..., Any] | None = None, runtime: HookRuntime | None = None,
                  first_layer: int = 0, clone_max_bytes: int = 64 * 2**20,
                  refs: dict[str, str] | None = None,
-                 baseline_gate: Callable[..., AbstractContextManager[Any]] | None = None) -> None:
+                 baseline_gate: Callable[..., AbstractContextManager[Any]] | None = None,
+                 candidate_gate: CandidateGate | None = None) -> None:
         self.name = name
         self.baseline = baseline
-        #: on mode under a CUDA graph: ``baseline_gate(run_flag, args, kwargs)`` is a context manager in
-        #: which the baseline reads its work size through device memory that ``run_flag`` (a device
-        #: int64 scalar the control kernel sets per replay) zeroes on replays that are not spot checks,
-        #: so a captured graph's baseline does almost nothing there (see shadowd.hook.device)
+        #: on mode under a CUDA graph: ``baseline_gate(sstate, args, kwargs)`` is a context manager in
+        #: which the baseline reads its work size through device memory that the call's decision words
+        #: ``sstate`` (device int64, set by the control kernel per replay) zero on replays that are not
+        #: spot checks (``shadowd.hook.device.gated_copy``), so a captured graph's baseline does almost
+        #: nothing there (see shadowd.hook.device)
         self.baseline_gate = baseline_gate
+        #: validate mode under a CUDA graph: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)``
+        #: returns the candidate's (already protected) arguments with its work sizes gated by
+        #: ``gated_copy(..., RUN_CAND)``, zero on replays that do not compare the candidate (unsampled
+        #: calls, kill switch, disabled candidate)
+        self.candidate_gate = candidate_gate
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()

@@ -4,8 +4,9 @@
 * :func:`control_kernel` — before the call: reads the host control words (mode, sampling, spot checks,
   disabled / fallback; pinned memory the host may write at any time, so a kill switch reaches captured
   graphs) and the device counters, and writes the call's decisions (do statistics, use the candidate,
-  publish, run the baseline) into the site's decision words;
-* :func:`gate_kernel` — a copy of a small int tensor that is zeros when the baseline is gated off;
+  publish, run the baseline, run the candidate) into the site's decision words;
+* :func:`gate_kernel` — a copy of a small int tensor that is zeros when the baseline (or the candidate)
+  is gated off;
 * :func:`stamp_kernel` — a global-timer stamp between the implementations (device time per call);
 * :func:`select_kernel` — the output served in on mode: the candidate's, unless the call's decision or
   the sticky fallback flag says the baseline's.
@@ -64,10 +65,15 @@ def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, ma
         publish = do_stats
         use_cand = host_use_cand != 0
     run_base = run_base | (host_decides != 0)
+    # the candidate works when its output is served or compared (eagerly: whenever the host calls it);
+    # under a graph a call site with a candidate gate hands it zero work sizes on the other replays
+    # (unsampled validate calls, the kill switch, a disabled or fallen-back candidate)
+    run_cand = use_cand | do_stats | (host_decides != 0)
     tl.store(sstate_ptr, do_stats.to(tl.int64))
     tl.store(sstate_ptr + 1, use_cand.to(tl.int64))
     tl.store(sstate_ptr + 12, publish.to(tl.int64))
     tl.store(sstate_ptr + 13, run_base.to(tl.int64))
+    tl.store(sstate_ptr + 14, run_cand.to(tl.int64))
     tl.store(sstate_ptr + 3, mode)
     tl.store(sstate_ptr + 4, step)
     tl.store(sstate_ptr + 5, call)
@@ -76,9 +82,10 @@ def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, ma
 
 
 @triton.jit(do_not_specialize=["n"])
-def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, BLOCK: tl.constexpr):
-    # dst = src when the baseline must run this call (sstate[13]), else zeros (work sizes of nothing)
-    run = tl.load(sstate_ptr + 13) != 0
+def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    # dst = src when the side gated by sstate[WORD] must run this call (13: the baseline, 14: the
+    # candidate), else zeros (work sizes of nothing)
+    run = tl.load(sstate_ptr + WORD) != 0
     offs = tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(src_ptr + offs, mask=m, other=0)

@@ -13,6 +13,10 @@ clones of the small tensors and watch the large ones (the KV cache):
   fallbacks; the captured baseline then does almost nothing there and the graph runs at the
   candidate's speed (its output on those replays is never read: the select kernel serves the
   candidate).
+* :func:`candidate_gate` — validate mode under a CUDA graph: the candidate's ``qo_indptr`` / ``kv_indptr``
+  replaced by device copies that hold zeros on replays that do not compare it (unsampled calls, the kill
+  switch, a disabled candidate): every request is then empty and the kernel returns at once (no error
+  bit: all-zero index pointers are consistent).
 * :func:`candidate` — ``mla_tree_verify.tree_verify`` on CUDA (reads the cache, never writes it;
   its own output tensor). On CPU (tests) the fp32 oracle ``mla_tree_verify.oracle`` stands in.
   ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``).
@@ -39,6 +43,7 @@ __all__ = [
     "candidate",
     "candidate_fingerprint",
     "candidate_fn",
+    "candidate_gate",
 ]
 
 CANDIDATE_ENV = "SHADOWD_CANDIDATE"
@@ -77,6 +82,21 @@ def baseline_gate(run_flag: torch.Tensor, args: tuple[Any, ...], kwargs: dict[st
         yield
     finally:
         md.qo_indptr, md.kv_indptr = qo, kv
+
+
+#: positions of qo_indptr and kv_indptr in the site's argument tuple (see the module docstring)
+_QO, _KV = 5, 6
+
+
+def candidate_gate(sstate: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The candidate's arguments with its work sizes gated (see the module docstring; graph capture only)."""
+    from shadowd.hook.device import RUN_CAND, gated_copy
+
+    gated = list(args)
+    for i in (_QO, _KV):
+        gated[i] = gated_copy(args[i], sstate, RUN_CAND)
+    return tuple(gated), kwargs
 
 
 def _oracle_fp32(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor, qo_indptr: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 
 from shadowd.hook.runtime import HookRuntime, get_runtime
 from shadowd.hook.site import Bucket, ShadowSite
-from shadowd.sglang.candidate import D_QK, D_V, VerifyCall, baseline, baseline_gate, candidate
+from shadowd.sglang.candidate import D_QK, D_V, VerifyCall, baseline, baseline_gate, candidate, candidate_gate
 
 __all__ = ["SITE_NAME", "TARGET", "VerifyShadow", "ineligible"]
 
@@ -88,7 +88,7 @@ class VerifyShadow:
             if first is None:
                 first = int(getattr(getattr(backend, "token_to_kv_pool", None), "start_layer", 0) or 0)
             self.site = ShadowSite(SITE_NAME, baseline, candidate, runtime=self._runtime or get_runtime(),
-                                   first_layer=first, baseline_gate=baseline_gate,
+                                   first_layer=first, baseline_gate=baseline_gate, candidate_gate=candidate_gate,
                                    refs={"baseline": "shadowd.sglang.candidate:baseline",
                                          "candidate": "shadowd.sglang.candidate:candidate"})
         return self.site

@@ -316,6 +316,54 @@ def test_gpu_gated_on_mode_baseline_works_only_on_spot_checks() -> None:
     assert outs[-3:] == [True, True, True] and rt.fallback, outs
 
 
+def test_gpu_candidate_gate_runs_the_candidate_only_on_replays_that_use_it() -> None:
+    """Validate at 1 in 3 under a graph with a candidate gate (as the SGLang site has): the candidate reads its
+    work size through the gated copy, so it works on the sampled replays only (their statistics are the real
+    candidate's) and not at all after the kill switch; the baseline's result is returned on every replay."""
+    from shadowd.hook.device import RUN_CAND, gated_copy
+
+    rt, _site, x, w, _valid, _meta, bucket = _graph_site("validate", sampling=Sampling(3))
+    worked = torch.zeros(1, dtype=torch.int64, device="cuda")
+    n = torch.ones(1, dtype=torch.int64, device="cuda")
+
+    def base(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return gpu_base(x, w)
+
+    def cand(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        worked.add_(n)  # 1 when the gate lets the work size through, else 0
+        return (gpu_cand(x, w).float() * n).to(torch.bfloat16)
+
+    def gate(sstate: torch.Tensor, args: tuple, kwargs: dict) -> tuple:
+        return (args[0], args[1], gated_copy(args[2], sstate, RUN_CAND)), kwargs
+
+    site = ShadowSite("gate", base, cand, runtime=rt, candidate_gate=gate)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(6):
+            site(x, w, n, layer=0, bucket=bucket)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = site(x, w, n, layer=0, bucket=bucket)
+    _drain(rt)
+    worked.zero_()
+    recs = []
+    for _ in range(9):
+        g.replay()
+        assert torch.equal(out, gpu_base(x, w))
+        recs += _drain(rt)
+    assert int(worked.item()) == 3 and len(recs) == 3, (int(worked.item()), len(recs))
+    ref = stats_torch(gpu_cand(x, w).cpu(), gpu_base(x, w).cpu())
+    for r in recs:  # the sampled replays compared the real candidate, not a gated one
+        check(r, {k: v for k, v in ref.items() if k in ("max_abs", "rel_l2", "numel")})
+    rt.set_override("off")
+    for _ in range(6):
+        g.replay()
+    assert _drain(rt) == [] and int(worked.item()) == 3
+
+
 def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
     rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)
     g, out = _capture(site, x, w, bucket, warm=2)

@@ -161,6 +161,27 @@ for i in range(6):
 out["gated_outputs"] = res4
 out["gated_sizes_seen"] = seen
 out["gated_records"] = [r["step"] for r in ds4.poll()]
+# validate under a graph with a candidate gate (as the SGLang site has): the candidate reads its work size
+# through device memory that the gate zeroes on unsampled replays and once the kill switch is off
+csizes = []
+def base_n(x, w, n): return base(x, w)
+def cand_n(x, w, n):
+    csizes.append(int(n[0]))
+    return cand(x, w)
+def cgate(sstate, args, kwargs):
+    return (args[0], args[1], dev.gated_copy(args[2], sstate, dev.RUN_CAND)), kwargs
+rt5 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(2)), sink=lambda s: None)
+ds5 = rt5.device(); ds5.use_timer = False
+s5 = ShadowSite("t5", base_n, cand_n, runtime=rt5, candidate_gate=cgate)
+nsz = torch.tensor([7, 3], dtype=torch.int64)
+returned = [torch.equal(s5(x, w, nsz, layer=0, bucket=bk), base(x, w)) for _ in range(4)]
+recs5 = ds5.poll()
+# the kill switch as a replay sees it: only the pinned control word changes (no Python runs on replay)
+ds5.hctrl[0] = 0
+for _ in range(2):
+    s5(x, w, nsz, layer=0, bucket=bk)
+out["cand_gate"] = {"sizes": csizes, "records": len(recs5), "baseline_returned": returned,
+                    "nsz_untouched": nsz.tolist() == [7, 3], "after_kill_records": len(ds5.poll())}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -190,6 +211,12 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert r["gated_sizes_seen"] == [0, 5, 0, 5, 5, 5], r
     assert r["gated_outputs"] == ["cand", "cand", "cand", "base", "base", "base"], r
     assert r["gated_records"][:2] == [2, 4], r
+    # validate with a candidate gate: the candidate works on sampled replays only (1 in 2), does nothing
+    # after the kill switch, and its real inputs are never touched; the baseline's result is returned
+    cg = r["cand_gate"]
+    assert sorted(cg["sizes"][:4]) == [0, 0, 7, 7] and cg["sizes"][4:] == [0, 0], cg
+    assert cg["records"] == 2 and cg["after_kill_records"] == 0, cg
+    assert all(cg["baseline_returned"]) and cg["nsz_untouched"], cg
 
 
 def test_histogram_scheme_falls_back_where_its_shared_memory_does_not_fit() -> None:

@@ -122,6 +122,19 @@ def test_error_flag_on_out_of_range_slot():
     assert torch.isfinite(out).all()
 
 
+def test_all_zero_indptr_is_no_work_and_no_error():
+    # what the hook's candidate gate hands the kernel on replays that do not use it: every request empty,
+    # nothing written, no error bit (all-zero index pointers are consistent)
+    import dataclasses
+
+    case = testing.make_case([300, 0, 17], [5, 3, 9], 4, seed=21, device="cuda")
+    empty = dataclasses.replace(case, qo_indptr=torch.zeros_like(case.qo_indptr),
+                                kv_indptr=torch.zeros_like(case.kv_indptr))
+    out, lse, flag = _run(empty)
+    assert flag == 0
+    assert torch.isnan(out).all() and torch.isnan(lse).all()  # still the poison: nothing written
+
+
 @pytest.mark.parametrize(
     "tree,heads,seed",
     [
