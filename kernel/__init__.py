@@ -50,11 +50,17 @@ def decode_error_flag(value: int) -> list[str]:
     return [msg for bit, msg in ERROR_BITS.items() if value & bit]
 
 
-def block_m() -> int:
-    """Query rows per CTA of the built library (``mtv_block_m()``); builds and loads it if needed."""
-    from . import _lib
+_BLOCK_M: list[int] = []
 
-    return int(_lib.load().mtv_block_m())
+
+def block_m() -> int:
+    """Query rows per CTA of the built library (``mtv_block_m()``, a compile-time constant, asked once);
+    builds and loads it if needed."""
+    if not _BLOCK_M:
+        from . import _lib
+
+        _BLOCK_M.append(int(_lib.load().mtv_block_m()))
+    return _BLOCK_M[0]
 
 
 def choose_num_splits(batch: int, max_q_len: int, heads: int, kv_len_hint: int, sm_count: int = 132,

@@ -61,6 +61,9 @@ _LOCK = threading.Lock()
 def load() -> ctypes.CDLL:
     """Build (if needed) and load the library; ``$MLA_TREE_VERIFY_LIB`` overrides the path."""
     global _LIB
+    lib = _LIB
+    if lib is not None:  # every launch after the first: no lock on the caller's (serving) thread
+        return lib
     with _LOCK:
         if _LIB is None:
             path = os.environ.get("MLA_TREE_VERIFY_LIB") or str(build())

@@ -348,9 +348,13 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     else:
         out_b = site.baseline(*args, **kwargs)
     stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer)
-    cargs, ckwargs, watched = site._protect(args, kwargs)
     if capturing and code == 1 and site.candidate_gate is not None:  # zero work on replays that do not use it
-        cargs, ckwargs = site.candidate_gate(slot.sstate, cargs, ckwargs)
+        gargs, gkwargs = site.candidate_gate(slot.sstate, args, kwargs)
+        # the gate's outputs are already private copies: they are not cloned a second time
+        fresh = {id(x) for x in (*gargs, *gkwargs.values())} - {id(x) for x in (*args, *kwargs.values())}
+        cargs, ckwargs, watched = site._protect(gargs, gkwargs, fresh)
+    else:
+        cargs, ckwargs, watched = site._protect(args, kwargs)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
     stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer)
     if err is None and any(t._version != v for t, v in watched):

@@ -110,9 +110,10 @@ class ShadowSite:
         #: nothing there (see shadowd.hook.device)
         self.baseline_gate = baseline_gate
         #: validate mode under a CUDA graph: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)``
-        #: returns the candidate's (already protected) arguments with its work sizes gated by
+        #: returns the call's arguments with the candidate's work sizes replaced by new tensors from
         #: ``gated_copy(..., RUN_CAND)``, zero on replays that do not compare the candidate (unsampled
-        #: calls, kill switch, disabled candidate)
+        #: calls, kill switch, disabled candidate); those copies are the candidate's own, the other
+        #: arguments are protected as usual
         self.candidate_gate = candidate_gate
         self.candidate = candidate
         self.oracle = oracle
@@ -168,12 +169,13 @@ class ShadowSite:
             return self.baseline(*args, **kwargs)
         return self._shadow(args, kwargs, layer, b, "validate")
 
-    def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any], private: set[int] | None = None
                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[torch.Tensor, int]]]:
+        # ``private``: ids of tensors that are already the candidate's own copies (a candidate gate's)
         watched: list[tuple[torch.Tensor, int]] = []
 
         def guard(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(x, torch.Tensor) or (private and id(x) in private):
                 return x
             if x.numel() * x.element_size() <= self.clone_max_bytes:
                 return x.detach().clone()

@@ -69,7 +69,7 @@ def _fast_update(c, b, lane, cols, rem, t, best, best_t, s_abs, s_d2, s_b2, s_c2
     # ``lane`` indexes the tile; ``rem`` real elements remain from its start (the tail tile is partial).
     # POS: ``best_t`` = tile · VEC + column of the row's first maximum (< 2^31: a tile has >= 2 rows),
     # else the tile (the caller re-reads that vector: three instructions per element fewer). ASM: the GPU
-    # (approximate division, bins inside the histogram's PTX), else the interpreter.
+    # (approximate reciprocal, bins inside the histogram's PTX), else the interpreter.
     d = tl.abs(c - b)
     ab = tl.abs(b)
     # zero-filled lanes past the real elements never win the maximum
@@ -161,12 +161,12 @@ def _tile_lanes(BLOCK: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _first_tile(c_ptr, b_ptr, pid, bound, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    # the program's first full tile (zeros past the full tiles of ``bound`` elements), in storage dtype;
-    # tile t < bound // BLOCK as a per-lane mask that is uniform per tile (the loads stay vectorised)
+def _full_tile(c_ptr, b_ptr, t, bound, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    # tile t of both outputs in storage dtype if it is one of the full tiles of ``bound`` elements, else
+    # zeros; t < bound // BLOCK as a per-lane mask that is uniform per tile (the loads stay vectorised)
     lane, _rows, _cols = _tile_lanes(BLOCK, VEC)
-    go = lane < (bound // BLOCK - pid).to(tl.int64) * BLOCK
-    base = tl.cast(pid, tl.int64) * BLOCK
+    go = lane < (bound // BLOCK - t).to(tl.int64) * BLOCK
+    base = tl.cast(t, tl.int64) * BLOCK
     return tl.load(c_ptr + base + lane, mask=go, other=0.0), tl.load(b_ptr + base + lane, mask=go, other=0.0)
 
 
@@ -176,7 +176,7 @@ def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.conste
     # The common case, every value finite: no masks on full tiles (vectorised loads, the next tile
     # loaded before the current one is reduced), no non-finite bookkeeping. A NaN or Inf anywhere (or
     # an overflowing |d|) makes Σ|d| non-finite, and the caller then redoes the program exactly.
-    # (c_nx, b_nx): the first tile (:func:`_first_tile`); (ha, hb): the histogram state (``hist_init``).
+    # (c_nx, b_nx): the first tile (:func:`_full_tile`); (ha, hb): the histogram state (``hist_init``).
     # ONE: the grid covers the output, so a program has at most one tile: no loop and no next tile held
     # in registers (the latency path of per-layer outputs).
     ROWS: tl.constexpr = BLOCK // VEC
@@ -196,10 +196,7 @@ def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.conste
             b = b_nx.to(tl.float32)
             tt = t
             t += nprog
-            go = lane < (nfull - t).to(tl.int64) * BLOCK
-            base = tl.cast(t, tl.int64) * BLOCK
-            c_nx = tl.load(c_ptr + base + lane, mask=go, other=0.0)
-            b_nx = tl.load(b_ptr + base + lane, mask=go, other=0.0)
+            c_nx, b_nx = _full_tile(c_ptr, b_ptr, t, n, BLOCK, VEC)
             best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
                 c, b, lane, cols, BLOCK, tt, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, False, HIST, NW,
                 POS, ASM)
@@ -319,11 +316,11 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
         tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
                                   "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
     if SPEC:  # small outputs without PDL: the first tile is read before the real count and the decision arrive
-        c_nx, b_nx = _first_tile(c_ptr, b_ptr, pid, n_static.to(tl.int64), BLOCK, VEC)
+        c_nx, b_nx = _full_tile(c_ptr, b_ptr, pid, n_static.to(tl.int64), BLOCK, VEC)
     # do_stats, decided by the control kernel (or the host): an unsampled call's programs end here
     if go:
         if not SPEC:
-            c_nx, b_nx = _first_tile(c_ptr, b_ptr, pid, n, BLOCK, VEC)
+            c_nx, b_nx = _full_tile(c_ptr, b_ptr, pid, n, BLOCK, VEC)
         keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog,
                                                                      n, BLOCK, VEC, HIST, NW, POS, GPU, ONE)
         key, sums, rel, outs = _program_totals(keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b)
