@@ -75,15 +75,16 @@ TILE = (4096, 8, 2)
 #: outputs up to SMALL_NUMEL elements use SMALL_TILE: one short tile per program keeps the latency of a
 #: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
 SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
-#: outputs up to MID_NUMEL elements (one tile or two per SM) use MID_TILE: four warps, registers uncapped
-#: (64×16×512 bf16 on the H200: 3.74 µs per call against 4.12 µs with TILE; bench/results/hook-2026-11-30.md)
-MID_NUMEL, MID_TILE = 2**20, (4096, 4, 2)
+#: outputs up to MID_NUMEL elements (one to four tiles per program) use MID_TILE: four warps, registers
+#: uncapped (on the H200: 64×16×512 bf16 3.74 µs per call against 4.12 µs with TILE, 128×32×512 6.0 against
+#: 6.8 µs; bench/results/hook-2026-11-30.md)
+MID_NUMEL, MID_TILE = 2**22, (4096, 4, 2)
 #: outputs up to SPEC_NUMEL elements launched without PDL load their first tile before the call's decision
 #: arrives (it saves a memory round trip on sampled calls and costs that read on unsampled ones; under PDL
 #: the decision is read before the wait instead, at no cost); up to POS_NUMEL the pass
 #: tracks the position of max |d| per element instead of re-reading it (latency over instructions)
 SPEC_NUMEL = 2**17
-POS_NUMEL = 2**20
+POS_NUMEL = 2**22
 REGS_PER_SM = 65536  # sm_80 .. sm_120
 #: histogram (shadowd.hook.triton_hist): 1 tl.histogram, 2 warp ballots, 3 per-thread shared-memory columns
 #: (compiled for COLS_WARPS warps; other warp counts fall back to ballots)

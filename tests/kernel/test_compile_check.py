@@ -28,6 +28,8 @@ def test_compile_check_passes(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "sm_120" in out and "mtv_fwd_kernel<2>" in out and "mtv_fwd_kernel<4>" in out
+    # the combine's four column-slice instantiations are checked too
+    assert all(f"mtv_combine_kernel<{s}>" in out for s in (1, 2, 4, 8))
 
 
 def test_demangle_names_template_instantiations():

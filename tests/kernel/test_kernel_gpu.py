@@ -60,6 +60,23 @@ def test_random_cases_vs_oracle(spec):
         assert (lse[fin].double() - ref_lse[fin]).abs().max().item() < 1e-3, (case.desc, splits)
 
 
+@pytest.mark.parametrize("splits", [37, 128])
+@pytest.mark.parametrize("T,H", [(4, 8), (20, 16), (40, 16), (72, 16)],
+                         ids=["rows32", "rows320", "rows640", "rows1152"])
+def test_combine_every_slice_count_and_split_count(T, H, splits):
+    # the combine's column slices depend on the row count (32 -> 8 slices, 320 -> 4, 640 -> 2, 1152 -> 1);
+    # L + T just under 128 * 32 rows makes all 128 splits of a 128-split call hold KV rows
+    case = testing.make_case([4090 - T], [T], H, seed=T * 7 + splits, device="cuda")
+    ref, ref_lse = _oracle(case)
+    out, lse, flag = _run(case, num_splits=splits)
+    assert flag == 0
+    ok, info = testing.pass_rule(out, ref, None)
+    assert ok, (T, H, splits, info)
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+    one, _, _ = _run(case, num_splits=1)
+    assert (out.float() - one.float()).abs().max().item() <= 2 * testing.ulp_bf16(one.float().abs().max().item())
+
+
 def test_index_dtypes_and_uint8_mask():
     case = testing.make_case([300, 0, 77], [9, 5, 12], 8, seed=4, device="cuda", mask_dtype=torch.uint8)
     case.qo_indptr = case.qo_indptr.long()

@@ -13,6 +13,25 @@ extern "C" int64_t mtv_workspace_floats(int32_t total_tokens, int32_t heads, int
   if (num_splits <= 1) return 0;
   return (int64_t)num_splits * total_tokens * heads * (mtv::D_V + 1);
 }
+#ifdef MTV_TIMING
+// diagnostic build only (bench/kernel_phases.py): copy the timing stamps to host memory (which: 0 CTA,
+// 1 iterations, 2 combine), or zero them
+extern "C" int mtv_read_timing(void* host, int which) {
+  if (which == 0) return (int)cudaMemcpyFromSymbol(host, mtv::mtv_t_cta, sizeof(mtv::mtv_t_cta));
+  if (which == 1) return (int)cudaMemcpyFromSymbol(host, mtv::mtv_t_iter, sizeof(mtv::mtv_t_iter));
+  return (int)cudaMemcpyFromSymbol(host, mtv::mtv_t_comb, sizeof(mtv::mtv_t_comb));
+}
+extern "C" int mtv_clear_timing(void) {
+  void* p = nullptr;
+  cudaError_t e = cudaGetSymbolAddress(&p, mtv::mtv_t_cta);
+  if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(mtv::mtv_t_cta));
+  if (e == cudaSuccess) e = cudaGetSymbolAddress(&p, mtv::mtv_t_iter);
+  if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(mtv::mtv_t_iter));
+  if (e == cudaSuccess) e = cudaGetSymbolAddress(&p, mtv::mtv_t_comb);
+  if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(mtv::mtv_t_comb));
+  return (int)e;
+}
+#endif
 extern "C" int mtv_block_m(void) { return mtv::BM; }
 extern "C" int mtv_max_splits(void) { return mtv::MAX_SPLITS; }
 extern "C" int mtv_smem_bytes(void) { return mtv::SMEM_BYTES; }
@@ -27,6 +46,30 @@ extern "C" const char* mtv_error_string(int code) {
     default: return cudaGetErrorString(static_cast<cudaError_t>(code));
   }
 }
+
+namespace mtv {
+// Launch the combine as a programmatic dependent of the forward kernel (sm_90+): its CTAs start while the
+// forward kernel's last CTAs finish (they trigger after their KV loop) and wait (griddepcontrol.wait)
+// before reading the partials.  Falls back to a plain launch where the attribute is refused.
+inline cudaError_t launch_dependent(void (*kernel)(const MtvArgs), dim3 grid, const MtvArgs& a, cudaStream_t st) {
+#ifndef MTV_NO_PDL
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();
+#endif
+  kernel<<<grid, 128, 0, st>>>(a);
+  return cudaGetLastError();
+}
+}  // namespace mtv
 
 // Launch configuration depends only on (num_splits, max_q_len, heads, batch, total_tokens):
 // static under CUDA-graph replay.  No allocation, no synchronisation, no device reads.
@@ -63,7 +106,13 @@ extern "C" int mtv_tree_verify(const MtvArgs* args, void* stream) {
   if (e != cudaSuccess) return e;
   if (a.num_splits > 1) {
     const int64_t rows = (int64_t)a.total_tokens * a.heads;
-    mtv::mtv_combine_kernel<<<(unsigned)rows, 128, 0, st>>>(a);
+    // column slices per row: enough CTAs (and loads in flight) when few rows carry many splits
+    const int64_t slices = rows >= 1024 ? 1 : rows >= 512 ? 2 : rows >= 256 ? 4 : 8;
+    void (*combine)(const MtvArgs) = slices == 1   ? mtv::mtv_combine_kernel<1>
+                                     : slices == 2 ? mtv::mtv_combine_kernel<2>
+                                     : slices == 4 ? mtv::mtv_combine_kernel<4>
+                                                   : mtv::mtv_combine_kernel<8>;
+    e = mtv::launch_dependent(combine, dim3((unsigned)rows, (unsigned)slices), a, st);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }

@@ -62,6 +62,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   uint32_t* flag_sm = reinterpret_cast<uint32_t*>(m_sm + BM);
   Req* rq_sm = reinterpret_cast<Req*>(flag_sm + 4);  // the request, re-read from smem inside the loop
 
+  MTV_STAMP_CTA(0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x, mt = blockIdx.y, b = blockIdx.z;
   const int H = a.heads;
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   // ---- row addresses of tiles 0 and 1 -> ring (tile 2's index load stays in flight); tile 0 -> kvbuf0
   int64_t pending = 0;
   if (tid == 0) *rq_sm = rq;
-  if (tid < BN) {
+  if (tid < BN) {  // warp 0 keeps the ring: entry tid of every tile
     int64_t s0 = fetch_slot(a, rq, kbeg + tid, kend), s1 = fetch_slot(a, rq, kbeg + BN + tid, kend);
     pending = fetch_slot(a, rq, kbeg + 2 * BN + tid, kend);
     rowptr_sm[tid] = row_ptr(a, rq, kbeg + tid, kend, s0);
@@ -150,8 +151,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
 
   cp_async_wait_all();
   __syncthreads();
+  MTV_STAMP_CTA(1);
 
   for (int it = 0; it < ntiles; ++it) {
+    MTV_STAMP_IT(it, 0);
     const uint32_t cur_b = kv_base + (uint32_t)((it & 1) * KV_TILE_BYTES);
     __nv_bfloat16* cur = (it & 1) ? kvbuf1 : kvbuf0;
     const int j0 = kbeg + it * BN;
@@ -159,14 +162,19 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       cp_async_wait_all();
       __syncthreads();
     }
+    MTV_STAMP_IT(it, 1);
     const Req& R = *rq_sm;
-    if (it + 1 < ntiles) load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
-    cp_async_commit();
-    if (tid < BN) {  // ring slot (it+2)%3 was last read at iteration it-1, before this iteration's barrier
+    if (tid < BN) {  // ring slot (it+2)%3 was last read at iteration it-1, before this iteration's barrier;
+      // updated before this tile's cp.async go out: 4-10 % faster on every shape than after them
+      // (bench/results/verify-2026-11-30.md, session 6; it still costs warp 0 ~800 cycles per tile)
       rowptr_sm[((it + 2) % RING) * BN + tid] = row_ptr(a, R, j0 + 2 * BN + tid, kend, pending);
       pending = fetch_slot(a, R, j0 + 3 * BN + tid, kend);
     }
+    MTV_STAMP_IT(it, 2);
+    if (it + 1 < ntiles) load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
+    cp_async_commit();
     if (tid == 0) flag_sm[0] = 0u;
+    MTV_STAMP_IT(it, 3);
     const bool draft_tile = j0 + BN > R.L;
 
     // ---- S partial = Q[smi rows, K part kp] . K[tile, K part kp]^T, exchanged within the group
@@ -185,7 +193,9 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     // a live row (nmi < 4) left warps with different barrier counts, and compute-sanitizer
     // racecheck, which orders accesses by barrier phase, then reported every later exchange
     // (alpha, P, l/m, V vs the next cp.async) as a race (15 hazards).
+    MTV_STAMP_IT(it, 4);
     if (draft_tile) __syncthreads(); else group_sync(smi, G);
+    MTV_STAMP_IT(it, 5);
 
     // ---- full S rows (the group's partials, summed in the same order by every warp of the group, so
     // all hold identical S), select-masking, online softmax, own 32/G columns of P
@@ -294,7 +304,9 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
         }
       }
     }
+    MTV_STAMP_IT(it, 6);
     __syncthreads();  // P, alpha and the sanitised V tile are visible to every warp
+    MTV_STAMP_IT(it, 7);
 
     // ---- O[:, warp*64 .. +64] = alpha * O + P . V   (live m16 row tiles only)
     {
@@ -359,8 +371,12 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
         }
       }
     }
+    MTV_STAMP_IT(it, 8);
+    MTV_STAMP_IT(it, 9);
   }
 
+  MTV_STAMP_CTA(2);
+  griddep_launch_dependents();  // the combine (if any) may start launching: this CTA's loads are done
   // ---- row statistics: l = sum over the quad and the two K-half warps; m identical in both
   if (s_active) {
     l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
@@ -416,6 +432,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       }
     }
   }
+  MTV_STAMP_CTA(3);
 }
 
 }  // namespace mtv

@@ -84,6 +84,18 @@ __device__ __forceinline__ bool draft_visible(const MtvArgs& a, const Req& rq, i
   return __ldg(reinterpret_cast<const unsigned char*>(a.custom_mask) + idx) != 0;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops when the kernel was launched without it)
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -107,6 +119,24 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+#ifdef MTV_TIMING
+// Diagnostic build only (-DMTV_TIMING): per-CTA global-timer stamps and per-phase clock stamps of CTA 0.
+__device__ unsigned long long mtv_t_cta[2048][4];
+__device__ long long mtv_t_iter[2][64][10];
+__device__ unsigned long long mtv_t_comb[4096][2];
+__device__ __forceinline__ unsigned long long mtv_gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define MTV_CTA_LIN ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)
+#define MTV_STAMP_CTA(k) do { if (threadIdx.x == 0 && MTV_CTA_LIN < 2048) mtv_t_cta[MTV_CTA_LIN][k] = mtv_gtime(); } while (0)
+#define MTV_STAMP_IT(it, k) do { if ((threadIdx.x == 0 || threadIdx.x == 160) && MTV_CTA_LIN == 0 && (it) < 64) mtv_t_iter[threadIdx.x != 0][it][k] = clock64(); } while (0)
+#else
+#define MTV_STAMP_CTA(k) do {} while (0)
+#define MTV_STAMP_IT(it, k) do {} while (0)
+#endif
+
 __device__ __forceinline__ bool bf16_nonfinite(uint32_t half16) { return (half16 & 0x7F80u) == 0x7F80u; }
 
 // KV row j of the request: prefix rows come from kv_indices (one dependent index load, issued a
@@ -129,17 +159,33 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const MtvArgs& a, const 
 }
 
 
-// Combine the per-split partial results of one (token, head) row.  128 threads x 4 columns.
+// Combine, sliced: CTA (row, column slice y of S); 128 threads = (128 / S) column quads x S split
+// groups.  Thread (quad, g) loads the partials of splits g, g + S, ... COMBINE_BATCH at a time (all of a
+// batch in flight before any is used) and weights them; the S group sums are then added in group order
+// through shared memory (fixed order: deterministic).  S is chosen on the host from the row count only
+// (static under graph replay): many splits of few rows get S = 8 (enough CTAs and loads in flight),
+// many rows get S = 1 (one CTA per row, as many loads in flight per thread).
+constexpr int COMBINE_BATCH = 8;
+template <int S>
 __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
+  static_assert(S == 1 || S == 2 || S == 4 || S == 8, "slices");
+  constexpr int QUADS = 128 / S;
   __shared__ float lse_s[MAX_SPLITS];
+  __shared__ float4 part_s[S > 1 ? S : 1][S > 1 ? QUADS : 1];
+  __shared__ float w_s[S];
+  __shared__ float mx_s[4];
+  __shared__ int nan_s[4];
   __shared__ int64_t sh_b;
+#ifdef MTV_TIMING
+  if (threadIdx.x == 0 && blockIdx.x < 4096 && blockIdx.y == 0) mtv_t_comb[blockIdx.x][0] = mtv_gtime();
+#endif
   const int H = a.heads;
   const int64_t rowg = blockIdx.x;
   const int64_t tok = rowg / H;
   const int h = (int)(rowg - tok * H);
-  if (threadIdx.x == 0) {
-    // request owning this token: largest b with qo_indptr[b] <= tok
-    int lo = 0, hi = a.batch;  // invariant: answer in [lo, hi)
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+  if (tid == 0) {
+    int lo = 0, hi = a.batch;  // request owning this token: largest b with qo_indptr[b] <= tok
     while (hi - lo > 1) {
       int mid = (lo + hi) >> 1;
       if (ld_idx(a.qo_indptr, a.qo_is64, mid) <= tok) lo = mid; else hi = mid;
@@ -155,41 +201,61 @@ __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
   const int chunk = split_chunk(Ltot, a.num_splits);
   const int active = (Ltot + chunk - 1) / chunk;
   const int64_t R = (int64_t)a.total_tokens * H;
-  const float* wl = a.workspace + (int64_t)a.num_splits * R * D_V;
-  if ((int)threadIdx.x < active) lse_s[threadIdx.x] = wl[threadIdx.x * R + rowg];
-  __syncthreads();
-  float mx = -INFINITY;
-  bool nan = false;
-  for (int s = 0; s < active; ++s) {
-    float v = lse_s[s];
-    nan |= (v != v);
-    mx = fmaxf(mx, v);
+  griddep_wait();  // the forward kernel's partials are visible from here (a no-op without PDL)
+  // the splits' LSEs (log2): their max and whether any is NaN, by a block reduction
+  const float v = tid < active ? a.workspace[(int64_t)a.num_splits * R * D_V + tid * R + rowg] : -INFINITY;
+  lse_s[tid] = v;
+  float mx = v;
+  int nan = v != v;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    nan |= __shfl_xor_sync(0xffffffffu, nan, o);
   }
+  if (lane == 0) {
+    mx_s[wid] = mx;
+    nan_s[wid] = nan;
+  }
+  __syncthreads();
+  mx = fmaxf(fmaxf(mx_s[0], mx_s[1]), fmaxf(mx_s[2], mx_s[3]));
+  nan = nan_s[0] | nan_s[1] | nan_s[2] | nan_s[3];
+  const int cq = tid % QUADS, grp = tid / QUADS;
+  const int col = blockIdx.y * (D_V / S) + cq * 4;
+  const float* wbase = a.workspace + rowg * D_V + col;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
-  const int col = threadIdx.x * 4;
-  // The partials of COMBINE_BATCH splits are loaded before any is used (independent loads in
-  // flight instead of one L2 round trip per split), then summed in split order.
-  constexpr int COMBINE_BATCH = 8;
-  const float* wbase = a.workspace + rowg * D_V + col;
-  for (int s0 = 0; s0 < active; s0 += COMBINE_BATCH) {
+  for (int s0 = grp; s0 < active; s0 += COMBINE_BATCH * S) {
     float4 o[COMBINE_BATCH];
 #pragma unroll
     for (int k = 0; k < COMBINE_BATCH; ++k) {
-      const int s = s0 + k;
+      const int s = s0 + k * S;
       o[k] = (s < active && lse_s[s] != -INFINITY)
                  ? __ldcs(reinterpret_cast<const float4*>(wbase + (int64_t)s * R * D_V))
                  : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int k = 0; k < COMBINE_BATCH; ++k) {
-      const int s = s0 + k;
+      const int s = s0 + k * S;
       if (s >= active) break;
-      const float v = lse_s[s];
-      if (v == -INFINITY) continue;  // split saw nothing: its partial is exactly 0
-      const float w = exp2f(v - mx);
+      const float l = lse_s[s];
+      if (l == -INFINITY) continue;  // split saw nothing: its partial is exactly 0
+      const float w = exp2f(l - mx);
       acc.x += w * o[k].x; acc.y += w * o[k].y; acc.z += w * o[k].z; acc.w += w * o[k].w;
       wsum += w;
+    }
+  }
+  if (S > 1) {
+    part_s[grp][cq] = acc;
+    if (cq == 0) w_s[grp] = wsum;
+    __syncthreads();
+    if (grp != 0) return;
+    acc = part_s[0][cq];
+    wsum = w_s[0];
+#pragma unroll
+    for (int g = 1; g < S; ++g) {
+      const float4 p = part_s[g][cq];
+      acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+      wsum += w_s[g];
     }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : (wsum == 0.f ? 0.f : wsum);
@@ -197,10 +263,13 @@ __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
   __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(a.o) + tok * a.o_s0 + (int64_t)h * a.o_s1 + col;
   *reinterpret_cast<__nv_bfloat162*>(op) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   *reinterpret_cast<__nv_bfloat162*>(op + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  if (a.lse != nullptr && threadIdx.x == 0) {
-    float lse2 = nan ? __int_as_float(0x7fffffff) : (wsum > 0.f ? mx + log2f(wsum) : -INFINITY);
+  if (a.lse != nullptr && blockIdx.y == 0 && tid == 0) {
+    const float lse2 = nan ? __int_as_float(0x7fffffff) : (wsum > 0.f ? mx + log2f(wsum) : -INFINITY);
     a.lse[tok * a.lse_s0 + (int64_t)h * a.lse_s1] = lse2 * 0.6931471805599453f;
   }
+#ifdef MTV_TIMING
+  if (tid == 0 && blockIdx.x < 4096 && blockIdx.y == 0) mtv_t_comb[blockIdx.x][1] = mtv_gtime();
+#endif
 }
 
 }  // namespace mtv
