@@ -19,19 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, Engine, Float, Table, select, update
+from sqlalchemy import Connection, Engine, Table, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
-from shadowd.collector import histblob
 from shadowd.collector import tables as t
 from shadowd.collector.batch import DIGEST_PREFIX, BadBatch, ValidBatch
-from shadowd.collector.pgcopy import binary_copy
 from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, Rows, compute_deltas
+from shadowd.collector.sample_rows import pg_copy, sample_values, sqlite_plan, sqlite_rows
 from shadowd.judge.policy import Policy
 from shadowd.wire import PRODUCER_STATS
 
-__all__ = ["SAMPLE_COLUMNS", "Conflict", "IngestResult", "Store", "UnknownRun", "WriteJob", "WriteOutcome"]
+__all__ = ["Conflict", "IngestResult", "Store", "UnknownRun", "WriteJob", "WriteOutcome"]
 
 
 class UnknownRun(LookupError):
@@ -60,7 +59,8 @@ class WriteJob:
     seq: int
     digest: str
     n: int
-    #: the samples' values by column (see :func:`sample_values`; only layer and rank without raw samples)
+    #: the samples' values by column (see :func:`shadowd.collector.sample_rows.sample_values`; only layer and
+    #: rank without raw samples)
     cols: dict[str, Any]
     deltas: Deltas
     producer_stats: dict[str, int]
@@ -95,48 +95,11 @@ class IngestResult:
     mode_override: str | None = None
 
 
-SAMPLE_COLUMNS = (
-    "batch_id", "rank", "layer", "step", "call", "ts", "batch_size", "draft_tokens", "prefix_len", "heads",
-    "numel", "max_abs", "mean_abs", "max_rel", "rel_l2", "cos_diff", "out_scale", "nan_base", "inf_base",
-    "nan_cand", "inf_cand", "cand_nonfinite", "base_nonfinite", "hist", "error", "mode", "oracle_cand_err",
-    "oracle_base_err", "cand_us", "base_us", "new_requests", "exceeded",
-)
-# a batch's insert leaves out a column that holds the column's default in every row of the batch
-_ZERO_DEFAULT = frozenset(("nan_base", "inf_base", "nan_cand", "inf_cand", "cand_nonfinite", "base_nonfinite",
-                           "new_requests", "exceeded"))
-_NULL_DEFAULT = frozenset(("error", "mode", "oracle_cand_err", "oracle_base_err", "cand_us", "base_us"))
-# PostgreSQL wire type of each samples column (binary COPY); hist gets its width per batch
-_PG_KIND: dict[str, str] = {
-    name: "text" if name in ("error", "mode") else "hist" if name == "hist" else
-    "float8" if isinstance(t.samples.c[name].type, Float) else
-    "int8" if isinstance(t.samples.c[name].type, BigInteger) else "int4"
-    for name in SAMPLE_COLUMNS
-}
-
-
 def _pg_array(values: list[Any]) -> str:
     """A PostgreSQL array literal of ints, floats (repr: exact; nan, inf) or strings (quoted)."""
     if values and isinstance(values[0], str):
         return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
     return "{" + ",".join(map(repr, values)) + "}"
-
-
-def sample_values(cols: dict[str, Any], exceeded: np.ndarray, stored_hist: np.ndarray | None = None
-                  ) -> dict[str, Any]:
-    """The values a batch writes into ``samples``, by column (all but ``batch_id``): numpy arrays, lists of
-    str/None, and ``hist`` in its stored form (shadowd.collector.histblob; ``stored_hist`` when already
-    encoded). Columns at their default in every row are left out."""
-    out: dict[str, Any] = {}
-    for name in SAMPLE_COLUMNS[1:]:
-        v = exceeded.astype(np.int32) if name == "exceeded" else cols[name]
-        if name in _ZERO_DEFAULT and not v.any():
-            continue
-        if name in _NULL_DEFAULT and (v.count(None) == len(v) if isinstance(v, list) else np.isnan(v).all()):
-            continue
-        if name == "hist":
-            v = stored_hist if stored_hist is not None else histblob.encode_rows(v)
-        out[name] = v
-    return out
 
 
 RUN_FIELDS = (
@@ -294,10 +257,10 @@ class Store:
         job = WriteJob(run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n=b.n, cols=cols,
                        deltas=d, producer_stats=b.producer_stats, now=time.time())
         if self.store_samples and self.dialect != "postgresql":
-            job.sample_sql, job.sample_cols = self._sqlite_plan(cols, b.n)
+            job.sample_sql, job.sample_cols = sqlite_plan(cols, b.n)
             job.cols = {k: cols[k] for k in {"layer", "rank", *job.sample_cols}}
             if not ship:  # in-process writes: the rows too are built outside the write lock
-                job.sample_rows = self._sqlite_rows(job.cols, job.sample_cols)
+                job.sample_rows = sqlite_rows(job.cols, job.sample_cols)
         return job
 
     def write(self, job: WriteJob) -> WriteOutcome:
@@ -452,47 +415,13 @@ class Store:
     def sample_insert(self, job: WriteJob, batch_id: int) -> tuple[str, Any]:
         """The statement and data that store the samples of ``job``: on SQLite an INSERT and one tuple per
         sample (executemany), on PostgreSQL a ``COPY ... (FORMAT BINARY)`` and its stream."""
-        c, n = job.cols, job.n
         if self.dialect == "postgresql":
-            names = ("batch_id", *c)
-            quoted = ", ".join(f'"{name}"' for name in names)
-            kinds = [(name, f"bytea:{c['hist'].shape[1]}" if name == "hist" else _PG_KIND[name]) for name in names]
-            payload = binary_copy(kinds, {**c, "batch_id": np.full(n, batch_id, dtype=np.int64)}, n)
-            return f"COPY samples ({quoted}) FROM STDIN (FORMAT BINARY)", payload
+            return pg_copy(job.cols, job.n, batch_id)
         if job.sample_sql is None:
-            job.sample_sql, job.sample_cols = self._sqlite_plan(c, n)
+            job.sample_sql, job.sample_cols = sqlite_plan(job.cols, job.n)
         if job.sample_rows is None:
-            job.sample_rows = self._sqlite_rows(c, job.sample_cols)
+            job.sample_rows = sqlite_rows(job.cols, job.sample_cols)
         return job.sample_sql.replace("{batch_id}", str(int(batch_id))), job.sample_rows
-
-    @staticmethod
-    def _sqlite_plan(c: dict[str, Any], n: int) -> tuple[str, list[str]]:
-        """The samples' INSERT (``{batch_id}`` in place of the batch id) and the columns its rows bind.
-
-        A number that is the same in every row of the batch (mostly the rank and heads) is written into
-        the statement once instead of being bound 4 000 times."""
-        literals = {"batch_id": "{batch_id}"}
-        bound: list[str] = []
-        for name, v in c.items():
-            if name != "hist" and not isinstance(v, list) and n and (v == v[0]).all() and np.isfinite(v[0]):
-                literals[name] = repr(int(v[0]) if v.dtype.kind in "iu" else float(v[0]))
-            else:
-                bound.append(name)
-        marks = [*literals.values(), *["?"] * len(bound)]
-        quoted = ", ".join(f'"{name}"' for name in (*literals, *bound))
-        return f"INSERT INTO samples ({quoted}) VALUES ({', '.join(marks)})", bound
-
-    @staticmethod
-    def _sqlite_rows(c: dict[str, Any], bound: list[str]) -> list[tuple[Any, ...]]:
-        """One tuple per sample of the ``bound`` columns (``hist``: one bytes per row, made by numpy)."""
-        columns: list[list[Any]] = []
-        for name in bound:
-            v = c[name]
-            if name == "hist":
-                columns.append(v.view(f"V{v.shape[1]}").reshape(-1).tolist())
-            else:
-                columns.append(v if isinstance(v, list) else v.tolist())
-        return list(zip(*columns, strict=False))  # equal lengths: validated
 
     def _insert_samples(self, cur: Any, job: WriteJob, batch_id: int) -> None:
         sql, data = self.sample_insert(job, batch_id)
