@@ -6,9 +6,10 @@ Builds the library with ``-DMTV_TIMING`` for this GPU only (cached apart from th
 forward CTA stamps the global timer at entry, before and after its KV loop and at exit, every combine CTA
 at entry and exit, and warps 0 and 5 of CTA 0 stamp the SM clock at each phase of their first 64 KV tiles.
 Prints per shape: the graph-replay time of the timing build, CTA setup / loop / epilogue (min, median,
-max), the gap between the forward kernel's last exit and the combine's first entry, the combine's span,
-and the median cycles per phase of a KV tile for both warps (the stamps cost a few cycles each; read the
-numbers as proportions, the timing build is not the shipped one).
+max), the gap between the forward kernel's last exit and the combine's first entry (negative: the combine,
+a programmatic dependent launch, started before it), the combine's span, and the median cycles per phase of
+a KV tile for both warps; the last phase is two back-to-back stamps, i.e. what one stamp costs. Read the
+numbers as proportions: the timing build is not the shipped one.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests" / "kernel"))
 import conftest  # noqa: E402,F401  (makes mla_tree_verify importable from the checkout)
 
 PHASES = ("wait+barrier", "row-address ring", "cp.async issue", "S", "S barrier", "softmax+P", "pre-PV barrier",
-          "P.V", "tail")
+          "P.V", "one stamp")
 SHAPES = ((1, 200000, 4, 8), (1, 32768, 16, 8), (16, 8192, 8, 8), (4, 32768, 64, 64))
 
 

@@ -112,8 +112,9 @@ extern "C" int mtv_tree_verify(const MtvArgs* args, void* stream) {
                                      : slices == 2 ? mtv::mtv_combine_kernel<2>
                                      : slices == 4 ? mtv::mtv_combine_kernel<4>
                                                    : mtv::mtv_combine_kernel<8>;
+    // (launch_dependent reports its launch's error itself: reading cudaGetLastError again here would
+    // find it already cleared)
     e = mtv::launch_dependent(combine, dim3((unsigned)rows, (unsigned)slices), a, st);
-    e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
   return 0;
