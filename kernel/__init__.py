@@ -9,6 +9,7 @@ CPU implementation in :mod:`mla_tree_verify.reference`, case generators in
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -50,17 +51,13 @@ def decode_error_flag(value: int) -> list[str]:
     return [msg for bit, msg in ERROR_BITS.items() if value & bit]
 
 
-_BLOCK_M: list[int] = []
-
-
+@functools.cache
 def block_m() -> int:
     """Query rows per CTA of the built library (``mtv_block_m()``, a compile-time constant, asked once);
     builds and loads it if needed."""
-    if not _BLOCK_M:
-        from . import _lib
+    from . import _lib
 
-        _BLOCK_M.append(int(_lib.load().mtv_block_m()))
-    return _BLOCK_M[0]
+    return int(_lib.load().mtv_block_m())
 
 
 def choose_num_splits(batch: int, max_q_len: int, heads: int, kv_len_hint: int, sm_count: int = 132,

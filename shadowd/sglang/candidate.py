@@ -71,13 +71,14 @@ def baseline(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 @contextmanager
-def baseline_gate(run_flag: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """Gate the baseline's work through ``run_flag`` (see the module docstring; graph capture only)."""
-    from shadowd.hook.device import gated_copy
+def baseline_gate(sstate: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Gate the baseline's work through the call's decision words ``sstate`` (see the module docstring;
+    graph capture only)."""
+    from shadowd.hook.device import RUN_BASE, gated_copy
 
     md = args[0].backend.forward_metadata
     qo, kv = md.qo_indptr, md.kv_indptr
-    md.qo_indptr, md.kv_indptr = gated_copy(qo, run_flag), gated_copy(kv, run_flag)
+    md.qo_indptr, md.kv_indptr = gated_copy(qo, sstate, RUN_BASE), gated_copy(kv, sstate, RUN_BASE)
     try:
         yield
     finally:
