@@ -38,7 +38,7 @@ constexpr int P_STRIDE = BN + 8;              // 80 B rows: conflict-free ldmatr
 constexpr int P_BYTES = BM * P_STRIDE * 2;    // 5120
 constexpr int XCH_BYTES = NWARPS * 4 * 32 * 16;  // per warp 4 float4 per lane: 16384
 constexpr int STAT_BYTES = (BM + 4 * BM + BM) * 4 + 16 + 32;  // alpha, l (per K part), m, flag, Req
-constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES + STAT_BYTES;
+constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES + IDX_BYTES + STAT_BYTES;
 static_assert(KV_TILE_BYTES % 128 == 0 && XCH_BYTES % 16 == 0 && P_BYTES % 16 == 0, "alignment");
 static_assert(D_QK % 32 == 0 && BN == 32 && NWARPS == 8 && D_V == NWARPS * 64, "warp layout");
 static_assert(SMEM_BYTES <= 101376, "must fit the sm_120 shared-memory budget");
@@ -56,7 +56,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   __nv_bfloat16* psm = reinterpret_cast<__nv_bfloat16*>(smem + 2 * KV_TILE_BYTES + XCH_BYTES);
   const __nv_bfloat16** rowptr_sm =
       reinterpret_cast<const __nv_bfloat16**>(smem + 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES);
-  float* alpha_sm = reinterpret_cast<float*>(smem + 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES);
+  unsigned char* idx_sm = smem + 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES;  // [IDX_RING][BN] cells
+  float* alpha_sm = reinterpret_cast<float*>(idx_sm + IDX_BYTES);
   float* l_sm = alpha_sm + BM;  // [4][BM]: row sums of the G K-part warps (G = 2: the first two)
   float* m_sm = l_sm + 4 * BM;
   uint32_t* flag_sm = reinterpret_cast<uint32_t*>(m_sm + BM);
@@ -84,12 +85,13 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   if (G == 4 && M - row0 > QUARTER_MAX_ROWS && split == 0 && tid == 0) set_err(a.error_flag, ERR_Q_TILES);
   const int nmi = min(G == 4 ? 2 : 4, (M - row0 + 15) >> 4);
 
-  // ---- row addresses of tiles 0 and 1 -> ring (tile 2's index load stays in flight); tile 0 -> kvbuf0
-  int64_t pending = 0;
+  // ---- row addresses of tiles 0 and 1 -> ring; tile 2's indices -> index ring (cp.async, in tile 0's
+  // commit group); tile 0 -> kvbuf0
   if (tid == 0) *rq_sm = rq;
-  if (tid < BN) {  // warp 0 keeps the ring: entry tid of every tile
+  if (tid < BN) {  // warp 0 keeps the rings: entry tid of every tile (index cell idx_cell + slot * BN * 8)
+    const uint32_t idx_cell = smem_u32(idx_sm) + (uint32_t)(tid * 8);
     int64_t s0 = fetch_slot(a, rq, kbeg + tid, kend), s1 = fetch_slot(a, rq, kbeg + BN + tid, kend);
-    pending = fetch_slot(a, rq, kbeg + 2 * BN + tid, kend);
+    fetch_slot_async(idx_cell + (2 % IDX_RING) * BN * 8, a, rq, kbeg + 2 * BN + tid, kend);
     rowptr_sm[tid] = row_ptr(a, rq, kbeg + tid, kend, s0);
     rowptr_sm[BN + tid] = row_ptr(a, rq, kbeg + BN + tid, kend, s1);
   }
@@ -166,9 +168,13 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     const Req& R = *rq_sm;
     if (tid < BN) {  // ring slot (it+2)%3 was last read at iteration it-1, before this iteration's barrier;
       // updated before this tile's cp.async go out: 4-10 % faster on every shape than after them
-      // (bench/results/verify-2026-11-30.md, session 6; it still costs warp 0 ~800 cycles per tile)
-      rowptr_sm[((it + 2) % RING) * BN + tid] = row_ptr(a, R, j0 + 2 * BN + tid, kend, pending);
-      pending = fetch_slot(a, R, j0 + 3 * BN + tid, kend);
+      // (bench/results/verify-2026-11-30.md, session 6). Tile it+2's indices were copied in the group
+      // waited above; tile it+3's go into the cell tile it+1's indices held (read at iteration it-1).
+      const int jr = j0 + 2 * BN + tid;
+      const uint32_t idx_cell = smem_u32(idx_sm) + (uint32_t)(tid * 8);
+      rowptr_sm[((it + 2) % RING) * BN + tid] =
+          row_ptr(a, R, jr, kend, read_slot(a, R, jr, kend, idx_cell + (uint32_t)(((it + 2) % IDX_RING) * BN * 8)));
+      fetch_slot_async(idx_cell + (uint32_t)(((it + 3) % IDX_RING) * BN * 8), a, R, j0 + 3 * BN + tid, kend);
     }
     MTV_STAMP_IT(it, 2);
     if (it + 1 < ntiles) load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);

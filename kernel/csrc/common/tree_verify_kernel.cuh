@@ -26,6 +26,11 @@ constexpr int KV_STRIDE = D_QK + 8;       // smem row pitch in bf16 (pad: confli
 constexpr int KV_TILE_BYTES = BN * KV_STRIDE * 2;
 constexpr int RING = 3;  // KV row-address ring: tile i's addresses are fetched at iteration i-2
 constexpr int ROWPTR_BYTES = RING * BN * 8;
+// Slot-index ring: tile i's kv_indices entries (raw, 4 or 8 bytes in an 8-byte cell) are copied by
+// cp.async in the commit group of iteration i-3 and read at iteration i-2 (after that group's wait):
+// no register holds an index load in flight, so no instruction waits on one.
+constexpr int IDX_RING = 2;
+constexpr int IDX_BYTES = IDX_RING * BN * 8;
 
 enum ErrorBits : int32_t {
   ERR_KV_SLOT_RANGE = 1,   // kv_indices entry outside [0, num_slots): clamped
@@ -139,11 +144,36 @@ __device__ __forceinline__ unsigned long long mtv_gtime() {
 
 __device__ __forceinline__ bool bf16_nonfinite(uint32_t half16) { return (half16 & 0x7F80u) == 0x7F80u; }
 
-// KV row j of the request: prefix rows come from kv_indices (one dependent index load, issued a
-// tile ahead of use: fetch_slot only starts the load, row_ptr consumes it later), draft rows from
-// k_draft; nullptr past kend (zero-filled).  Out-of-range slots are clamped and flagged.
+// KV row j of the request: prefix rows come from kv_indices (fetch_slot loads the entry now;
+// fetch_slot_async copies it into an index-ring cell, read_slot reads it there after the copy's
+// wait), draft rows from k_draft; row_ptr gives nullptr past kend (zero-filled).  Out-of-range
+// slots are clamped and flagged.
 __device__ __forceinline__ int64_t fetch_slot(const MtvArgs& a, const Req& rq, int j, int kend) {
   return (j < kend && j < rq.L) ? ld_idx(a.kv_indices, a.kvi_is64, rq.kv_start + j) : 0;
+}
+__device__ __forceinline__ void fetch_slot_async(uint32_t cell, const MtvArgs& a, const Req& rq, int j, int kend) {
+  if (j < kend && j < rq.L) {
+    if (a.kvi_is64)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(cell),
+                   "l"(reinterpret_cast<const long long*>(a.kv_indices) + rq.kv_start + j));
+    else
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cell),
+                   "l"(reinterpret_cast<const int*>(a.kv_indices) + rq.kv_start + j));
+  }
+}
+// the entry fetch_slot_async copied into `cell` (read by the thread that issued the copy, after its
+// cp.async wait: the copy's writes are visible to it), 0 for rows without one
+__device__ __forceinline__ int64_t read_slot(const MtvArgs& a, const Req& rq, int j, int kend, uint32_t cell) {
+  if (!(j < kend && j < rq.L)) return 0;
+  long long v;
+  if (a.kvi_is64) {
+    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(cell));
+  } else {
+    int w;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(w) : "r"(cell));
+    v = w;
+  }
+  return v;
 }
 __device__ __forceinline__ const __nv_bfloat16* row_ptr(const MtvArgs& a, const Req& rq, int j, int kend,
                                                         int64_t slot) {
