@@ -34,7 +34,7 @@ __all__ = [
 D_QK = 576
 D_V = 512
 BLOCK_M = 64  # query rows per CTA (what mtv_block_m() of the library reports)
-MAX_SPLITS = 128
+MAX_SPLITS = 256  # = MAX_SPLITS in csrc/common/tree_verify_kernel.cuh (one CTA per SM: >= the SM count)
 MIN_KV_PER_SPLIT = 128
 
 # Bits of the int32 error flag (OR-ed in by the kernel; the caller clears it).

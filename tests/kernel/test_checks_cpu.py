@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import mla_tree_verify
 import pytest
 import torch
@@ -97,6 +100,12 @@ def test_cpu_tensors_rejected_naming_q():
     assert ei.value.argument == "q" and "CUDA" in str(ei.value)
 
 
+def test_python_split_limit_is_the_librarys():
+    # the launcher refuses num_splits above the C++ constant; the Python side clamps to its own copy
+    src = (Path(mla_tree_verify.__file__).parent / "csrc" / "common" / "tree_verify_kernel.cuh").read_text()
+    assert re.search(r"constexpr int MAX_SPLITS = (\d+);", src).group(1) == str(mla_tree_verify.MAX_SPLITS)
+
+
 def test_workspace_and_splits_helpers():
     assert mla_tree_verify.workspace_size(4, 100, 8, 1) == 0
     assert mla_tree_verify.workspace_size(4, 100, 8, 4) == 4 * 100 * 8 * 513 * 4
@@ -107,6 +116,9 @@ def test_workspace_and_splits_helpers():
     # one wave of CTAs for the library's rows per CTA: 16 drafts x 8 heads = 2 row tiles of 64, 4 of 32
     assert mla_tree_verify.choose_num_splits(1, 16, 8, 32768, 132) == 66
     assert mla_tree_verify.choose_num_splits(1, 16, 8, 32768, 132, block_m=32) == 33
+    # one request of one row tile: a split per SM, on the H200 (132) and the RTX PRO 6000 (188)
+    assert mla_tree_verify.choose_num_splits(1, 4, 8, 200_000, 132) == 132
+    assert mla_tree_verify.choose_num_splits(1, 4, 8, 200_000, 188) == 188
     assert mla_tree_verify.decode_error_flag(5) == [
         mla_tree_verify.ERROR_BITS[1],
         mla_tree_verify.ERROR_BITS[4],

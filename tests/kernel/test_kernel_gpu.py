@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mla_tree_verify
 import pytest
 import torch
 from mla_tree_verify import oracle, testing
@@ -15,8 +16,6 @@ HAVE_TRITON = torch.cuda.is_available() and testing.sglang_triton_available()
 
 
 def _run(case, num_splits=None, lse=True, **kw):
-    import mla_tree_verify
-
     total, H = case.q.shape[0], case.q.shape[1]
     out = testing.poison_(torch.empty(total, H, 512, dtype=torch.bfloat16, device="cuda"))
     lse_t = testing.poison_(torch.empty(total, H, dtype=torch.float32, device="cuda")) if lse else None
@@ -60,13 +59,13 @@ def test_random_cases_vs_oracle(spec):
         assert (lse[fin].double() - ref_lse[fin]).abs().max().item() < 1e-3, (case.desc, splits)
 
 
-@pytest.mark.parametrize("splits", [37, 128])
+@pytest.mark.parametrize("splits", [37, 128, mla_tree_verify.MAX_SPLITS])
 @pytest.mark.parametrize("T,H", [(4, 8), (20, 16), (40, 16), (72, 16)],
                          ids=["rows32", "rows320", "rows640", "rows1152"])
 def test_combine_every_slice_count_and_split_count(T, H, splits):
     # the combine's column slices depend on the row count (32 -> 8 slices, 320 -> 4, 640 -> 2, 1152 -> 1);
-    # L + T just under 128 * 32 rows makes all 128 splits of a 128-split call hold KV rows
-    case = testing.make_case([4090 - T], [T], H, seed=T * 7 + splits, device="cuda")
+    # L + T just under 256 * 32 rows makes every split of a 37-, 128- or 256-split call hold KV rows
+    case = testing.make_case([8190 - T], [T], H, seed=T * 7 + splits, device="cuda")
     ref, ref_lse = _oracle(case)
     out, lse, flag = _run(case, num_splits=splits)
     assert flag == 0
@@ -161,8 +160,6 @@ def test_all_zero_indptr_is_no_work_and_no_error():
 )
 def test_error_flag_when_a_request_has_more_rows_than_max_q_len(tree, heads, seed):
     # a request with more draft tokens than max_q_len declares is flagged (bit 2), not silently half computed
-    import mla_tree_verify
-
     case = testing.make_case([10], [tree], heads, seed=seed, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     mla_tree_verify.tree_verify(*case.args(), error_flag=flag, max_q_len=8)
@@ -171,8 +168,6 @@ def test_error_flag_when_a_request_has_more_rows_than_max_q_len(tree, heads, see
 
 
 def test_cuda_graph_replay_matches_eager():
-    import mla_tree_verify
-
     H, T, B = 8, 12, 3
     cap_slots = 6000
     base = testing.make_case([900, 0, 1500], [T] * B, H, seed=20, device="cuda", extra_slots=cap_slots)

@@ -20,7 +20,7 @@ constexpr int D_V = 512;
 constexpr int BN = 32;                  // KV rows per tile
 constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
-constexpr int MAX_SPLITS = 128;
+constexpr int MAX_SPLITS = 256;  // >= the SM count of the GPUs served (H200 132, RTX PRO 6000 188)
 constexpr int CHUNKS_PER_ROW = D_QK / 8;  // 16-byte chunks per 576-wide row
 constexpr int KV_STRIDE = D_QK + 8;       // smem row pitch in bf16 (pad: conflict-free ldmatrix)
 constexpr int KV_TILE_BYTES = BN * KV_STRIDE * 2;
@@ -233,10 +233,16 @@ __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
   const int64_t R = (int64_t)a.total_tokens * H;
   griddep_wait();  // the forward kernel's partials are visible from here (a no-op without PDL)
   // the splits' LSEs (log2): their max and whether any is NaN, by a block reduction
-  const float v = tid < active ? a.workspace[(int64_t)a.num_splits * R * D_V + tid * R + rowg] : -INFINITY;
-  lse_s[tid] = v;
-  float mx = v;
-  int nan = v != v;
+  // (MAX_SPLITS may exceed the 128 threads: each thread takes splits tid, tid + 128, ...)
+  float mx = -INFINITY;
+  int nan = 0;
+#pragma unroll
+  for (int s = tid; s < MAX_SPLITS; s += 128) {
+    const float v = s < active ? a.workspace[(int64_t)a.num_splits * R * D_V + (int64_t)s * R + rowg] : -INFINITY;
+    lse_s[s] = v;
+    mx = fmaxf(mx, v);
+    nan |= v != v;
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
