@@ -170,11 +170,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       // updated before this tile's cp.async go out: 4-10 % faster on every shape than after them
       // (bench/results/verify-2026-11-30.md, session 6). Tile it+2's indices were copied in the group
       // waited above; tile it+3's go into the cell tile it+1's indices held (read at iteration it-1).
-      const int jr = j0 + 2 * BN + tid;
       const uint32_t idx_cell = smem_u32(idx_sm) + (uint32_t)(tid * 8);
-      rowptr_sm[((it + 2) % RING) * BN + tid] =
-          row_ptr(a, R, jr, kend, read_slot(a, R, jr, kend, idx_cell + (uint32_t)(((it + 2) % IDX_RING) * BN * 8)));
-      fetch_slot_async(idx_cell + (uint32_t)(((it + 3) % IDX_RING) * BN * 8), a, R, j0 + 3 * BN + tid, kend);
+      ring_step(a, R, j0 + 2 * BN + tid, j0 + 3 * BN + tid, kend, &rowptr_sm[((it + 2) % RING) * BN + tid],
+                idx_cell + (uint32_t)(((it + 2) % IDX_RING) * BN * 8),
+                idx_cell + (uint32_t)(((it + 3) % IDX_RING) * BN * 8));
     }
     MTV_STAMP_IT(it, 2);
     if (it + 1 < ntiles) load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);

@@ -145,9 +145,9 @@ __device__ __forceinline__ unsigned long long mtv_gtime() {
 __device__ __forceinline__ bool bf16_nonfinite(uint32_t half16) { return (half16 & 0x7F80u) == 0x7F80u; }
 
 // KV row j of the request: prefix rows come from kv_indices (fetch_slot loads the entry now;
-// fetch_slot_async copies it into an index-ring cell, read_slot reads it there after the copy's
-// wait), draft rows from k_draft; row_ptr gives nullptr past kend (zero-filled).  Out-of-range
-// slots are clamped and flagged.
+// fetch_slot_async copies it into an index-ring cell, which ring_step reads after the copy's wait),
+// draft rows from k_draft; row_ptr gives nullptr past kend (zero-filled).  Out-of-range slots are
+// clamped and flagged.
 __device__ __forceinline__ int64_t fetch_slot(const MtvArgs& a, const Req& rq, int j, int kend) {
   return (j < kend && j < rq.L) ? ld_idx(a.kv_indices, a.kvi_is64, rq.kv_start + j) : 0;
 }
@@ -161,19 +161,42 @@ __device__ __forceinline__ void fetch_slot_async(uint32_t cell, const MtvArgs& a
                    "l"(reinterpret_cast<const int*>(a.kv_indices) + rq.kv_start + j));
   }
 }
-// the entry fetch_slot_async copied into `cell` (read by the thread that issued the copy, after its
-// cp.async wait: the copy's writes are visible to it), 0 for rows without one
-__device__ __forceinline__ int64_t read_slot(const MtvArgs& a, const Req& rq, int j, int kend, uint32_t cell) {
-  if (!(j < kend && j < rq.L)) return 0;
-  long long v;
+// One lane's share of the ring update (warp 0, lane i = row i of a tile): row jr's address from the
+// index cell it was copied into (cell_read) -> *entry, then row jn's index copy into cell_next.  Every
+// shared-memory read (the request's fields, the cell) is issued up front and unconditionally and the
+// address is chosen by selects: under the other warps' ldmatrix traffic each dependent shared-memory
+// round trip costs warp 0 ~150 cycles (bench/kernel_phases.py, session 7).  The cell is only used for a
+// prefix row of this split, whose copy the caller has waited for (visible to the issuing thread).
+__device__ __forceinline__ void ring_step(const MtvArgs& a, const Req& R, int jr, int jn, int kend,
+                                          const __nv_bfloat16** entry, uint32_t cell_read, uint32_t cell_next) {
+  const int L = R.L;
+  const int64_t kv_start = R.kv_start, q_start = R.q_start;
+  long long raw;
   if (a.kvi_is64) {
-    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(cell));
+    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(raw) : "r"(cell_read));
   } else {
     int w;
-    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(w) : "r"(cell));
-    v = w;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(w) : "r"(cell_read));
+    raw = w;
   }
-  return v;
+  const bool pre = jr < L && jr < kend;
+  int64_t slot = pre ? raw : 0;
+  if (pre && (slot < 0 || slot >= a.num_slots)) {
+    set_err(a.error_flag, ERR_KV_SLOT_RANGE);
+    slot = slot < 0 ? 0 : a.num_slots - 1;
+  }
+  const __nv_bfloat16* kv_row = reinterpret_cast<const __nv_bfloat16*>(a.kv_buffer) + slot * a.kv_s0;
+  const __nv_bfloat16* draft_row =
+      reinterpret_cast<const __nv_bfloat16*>(a.k_draft) + (q_start + (pre ? 0 : jr - L)) * a.kd_s0;
+  *entry = jr >= kend ? nullptr : (pre ? kv_row : draft_row);
+  if (jn < kend && jn < L) {
+    if (a.kvi_is64)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(cell_next),
+                   "l"(reinterpret_cast<const long long*>(a.kv_indices) + kv_start + jn));
+    else
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cell_next),
+                   "l"(reinterpret_cast<const int*>(a.kv_indices) + kv_start + jn));
+  }
 }
 __device__ __forceinline__ const __nv_bfloat16* row_ptr(const MtvArgs& a, const Req& rq, int j, int kend,
                                                         int64_t slot) {
