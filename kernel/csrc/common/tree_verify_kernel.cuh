@@ -151,15 +151,25 @@ __device__ __forceinline__ bool bf16_nonfinite(uint32_t half16) { return (half16
 __device__ __forceinline__ int64_t fetch_slot(const MtvArgs& a, const Req& rq, int j, int kend) {
   return (j < kend && j < rq.L) ? ld_idx(a.kv_indices, a.kvi_is64, rq.kv_start + j) : 0;
 }
+// cp.async of kv_indices[kv_start + j] (4 or 8 bytes, raw) into the index cell at shared address `cell`
+__device__ __forceinline__ void copy_slot_async(uint32_t cell, const MtvArgs& a, int64_t kv_start, int j) {
+  if (a.kvi_is64)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(cell),
+                 "l"(reinterpret_cast<const long long*>(a.kv_indices) + kv_start + j));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cell),
+                 "l"(reinterpret_cast<const int*>(a.kv_indices) + kv_start + j));
+}
 __device__ __forceinline__ void fetch_slot_async(uint32_t cell, const MtvArgs& a, const Req& rq, int j, int kend) {
-  if (j < kend && j < rq.L) {
-    if (a.kvi_is64)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(cell),
-                   "l"(reinterpret_cast<const long long*>(a.kv_indices) + rq.kv_start + j));
-    else
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cell),
-                   "l"(reinterpret_cast<const int*>(a.kv_indices) + rq.kv_start + j));
+  if (j < kend && j < rq.L) copy_slot_async(cell, a, rq.kv_start, j);
+}
+// a prefix row's slot, clamped into [0, num_slots) with the error bit raised when it was outside
+__device__ __forceinline__ int64_t checked_slot(const MtvArgs& a, int64_t slot) {
+  if (slot < 0 || slot >= a.num_slots) {
+    set_err(a.error_flag, ERR_KV_SLOT_RANGE);
+    slot = slot < 0 ? 0 : a.num_slots - 1;
   }
+  return slot;
 }
 // One lane's share of the ring update (warp 0, lane i = row i of a tile): row jr's address from the
 // index cell it was copied into (cell_read) -> *entry, then row jn's index copy into cell_next.  Every
@@ -181,33 +191,17 @@ __device__ __forceinline__ void ring_step(const MtvArgs& a, const Req& R, int jr
   }
   const bool pre = jr < L && jr < kend;
   int64_t slot = pre ? raw : 0;
-  if (pre && (slot < 0 || slot >= a.num_slots)) {
-    set_err(a.error_flag, ERR_KV_SLOT_RANGE);
-    slot = slot < 0 ? 0 : a.num_slots - 1;
-  }
+  if (pre) slot = checked_slot(a, slot);
   const __nv_bfloat16* kv_row = reinterpret_cast<const __nv_bfloat16*>(a.kv_buffer) + slot * a.kv_s0;
   const __nv_bfloat16* draft_row =
       reinterpret_cast<const __nv_bfloat16*>(a.k_draft) + (q_start + (pre ? 0 : jr - L)) * a.kd_s0;
   *entry = jr >= kend ? nullptr : (pre ? kv_row : draft_row);
-  if (jn < kend && jn < L) {
-    if (a.kvi_is64)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(cell_next),
-                   "l"(reinterpret_cast<const long long*>(a.kv_indices) + kv_start + jn));
-    else
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(cell_next),
-                   "l"(reinterpret_cast<const int*>(a.kv_indices) + kv_start + jn));
-  }
+  if (jn < kend && jn < L) copy_slot_async(cell_next, a, kv_start, jn);
 }
 __device__ __forceinline__ const __nv_bfloat16* row_ptr(const MtvArgs& a, const Req& rq, int j, int kend,
                                                         int64_t slot) {
   if (j >= kend) return nullptr;
-  if (j < rq.L) {
-    if (slot < 0 || slot >= a.num_slots) {
-      set_err(a.error_flag, ERR_KV_SLOT_RANGE);
-      slot = slot < 0 ? 0 : a.num_slots - 1;
-    }
-    return reinterpret_cast<const __nv_bfloat16*>(a.kv_buffer) + slot * a.kv_s0;
-  }
+  if (j < rq.L) return reinterpret_cast<const __nv_bfloat16*>(a.kv_buffer) + checked_slot(a, slot) * a.kv_s0;
   return reinterpret_cast<const __nv_bfloat16*>(a.k_draft) + (rq.q_start + (j - rq.L)) * a.kd_s0;
 }
 
