@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "kernel"))
 import conftest  # noqa: E402,F401  (makes mla_tree_verify importable from the checkout)
 
-PHASES = ("wait+barrier", "row-address ring", "cp.async issue", "S", "S barrier", "softmax+P", "pre-PV barrier",
-          "P.V", "one stamp")
+# the stamps of tree_verify_fwd.cuh's loop, in order (the next tile's cp.async go out after the S barrier)
+PHASES = ("wait+barrier", "row-address ring", "flag reset", "S", "S barrier + cp.async issue", "softmax+P",
+          "pre-PV barrier", "P.V", "one stamp")
 SHAPES = ((1, 200000, 4, 8), (1, 32768, 16, 8), (16, 8192, 8, 8), (4, 32768, 64, 64))
 
 

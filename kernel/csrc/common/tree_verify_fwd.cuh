@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     MTV_STAMP_IT(it, 1);
     const Req& R = *rq_sm;
     if (tid < BN) {  // ring slot (it+2)%3 was last read at iteration it-1, before this iteration's barrier;
-      // updated before this tile's cp.async go out: 4-10 % faster on every shape than after them
+      // updated before the S phase: 4-10 % faster on every shape than after the tile's cp.async
       // (bench/results/verify-2026-11-30.md, session 6). Tile it+2's indices were copied in the group
       // waited above; tile it+3's go into the cell tile it+1's indices held (read at iteration it-1).
       const uint32_t idx_cell = smem_u32(idx_sm) + (uint32_t)(tid * 8);
@@ -176,8 +176,6 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
                 idx_cell + (uint32_t)(((it + 3) % IDX_RING) * BN * 8));
     }
     MTV_STAMP_IT(it, 2);
-    if (it + 1 < ntiles) load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
-    cp_async_commit();
     if (tid == 0) flag_sm[0] = 0u;
     MTV_STAMP_IT(it, 3);
     const bool draft_tile = j0 + BN > R.L;
@@ -200,6 +198,14 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     // (alpha, P, l/m, V vs the next cp.async) as a race (15 hazards).
     MTV_STAMP_IT(it, 4);
     if (draft_tile) __syncthreads(); else group_sync(smi, G);
+    // Tile it+1's cp.async into the other stage (free: every warp passed P.V(it-1) before this tile's
+    // barrier), issued here rather than before the S phase: the S phase starts at the barrier, and the
+    // copies go out while the warps wait on the exchange and run the softmax (LSU otherwise idle).
+    // 1.5-5 % faster than before the S phase, three A/B rounds (bench/results/verify-2026-11-30.md,
+    // session 8); after the pre-P.V barrier or just before it: slower.
+    if (it + 1 < ntiles)
+      load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
+    cp_async_commit();
     MTV_STAMP_IT(it, 5);
 
     // ---- full S rows (the group's partials, summed in the same order by every warp of the group, so
