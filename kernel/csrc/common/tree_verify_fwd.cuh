@@ -16,9 +16,10 @@
 //       full 16 x 32 S (same fp32 sums, a+b == b+a) and compute the same row max, but each
 //       exponentiates and stores only its own 16 columns of P (bf16).
 //       (G = 4, calls with at most 32 rows per request) warp w -> row tile w>>2, K quarter w&3
-//       (144 columns, 9 k-steps); the four partials summed as (p0+p1)+(p2+p3) by every warp of
-//       the group, each exponentiating its own 8 columns: no warp idles in S and the dependent
-//       mma chains are half as long (1.1x faster on (1, 200000, 4, 8), verify-2026-11-30.md).
+//       (144 columns, 9 k-steps); each warp sums its own 8 columns of the four partials as
+//       (p0+p1)+(p2+p3) and exponentiates them, the row max coming from the four warps' column maxima
+//       (a second group barrier): no warp idles in S and the dependent mma chains are half as long
+//       (1.1x faster on (1, 200000, 4, 8), verify-2026-11-30.md).
 //   PV  warp w -> V columns w*64 .. +64 for all 64 rows (O: 4 x 8 m16n8 tiles, 128 regs):
 //       per k16 step 4 ldmatrix.x4.trans (V) + 4 ldmatrix.x4 (P) + 32 mma.
 //   per warp per tile: 136 mma, 52 ldmatrix (36 K + 8 V + 8 P), 2 barriers (1 CTA-wide after
@@ -37,7 +38,7 @@ constexpr int QUARTER_MAX_ROWS = 32;          // calls with at most this many ro
 constexpr int P_STRIDE = BN + 8;              // 80 B rows: conflict-free ldmatrix
 constexpr int P_BYTES = BM * P_STRIDE * 2;    // 5120
 constexpr int XCH_BYTES = NWARPS * 4 * 32 * 16;  // per warp 4 float4 per lane: 16384
-constexpr int STAT_BYTES = (BM + 4 * BM + BM) * 4 + 16 + 32;  // alpha, l (per K part), m, flag, Req
+constexpr int STAT_BYTES = (BM + 4 * BM + BM + 4 * BM) * 4 + 16 + 32;  // alpha, l (per K part), m, column maxima (G = 4), flag, Req
 constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES + IDX_BYTES + STAT_BYTES;
 static_assert(KV_TILE_BYTES % 128 == 0 && XCH_BYTES % 16 == 0 && P_BYTES % 16 == 0, "alignment");
 static_assert(D_QK % 32 == 0 && BN == 32 && NWARPS == 8 && D_V == NWARPS * 64, "warp layout");
@@ -60,7 +61,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   float* alpha_sm = reinterpret_cast<float*>(idx_sm + IDX_BYTES);
   float* l_sm = alpha_sm + BM;  // [4][BM]: row sums of the G K-part warps (G = 2: the first two)
   float* m_sm = l_sm + 4 * BM;
-  uint32_t* flag_sm = reinterpret_cast<uint32_t*>(m_sm + BM);
+  float* mx_sm = m_sm + BM;  // [BM][4]: G = 4, the four K-quarter warps' column maxima of each row
+  uint32_t* flag_sm = reinterpret_cast<uint32_t*>(mx_sm + 4 * BM);
   Req* rq_sm = reinterpret_cast<Req*>(flag_sm + 4);  // the request, re-read from smem inside the loop
 
   MTV_STAMP_CTA(0);
@@ -208,48 +210,82 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     cp_async_commit();
     MTV_STAMP_IT(it, 5);
 
-    // ---- full S rows (the group's partials, summed in the same order by every warp of the group, so
-    // all hold identical S), select-masking, online softmax, own 32/G columns of P
+    // ---- full S rows, select-masking, online softmax, own 32/G columns of P.
+    // G = 2: own + partner partial (a + b == b + a), summed by both warps of the pair over all 32 columns:
+    // both hold identical S and the same row max.  G = 4: each warp sums only its own 8 columns (n8 tile
+    // kp) of the four K-quarter partials, (p0 + p1) + (p2 + p3), and the row max is the max of the four
+    // warps' column maxima, exchanged through shared memory (a second group barrier): 4 instead of 16
+    // 16-byte reads per thread, and the same S values and maxima as summing everything in every warp.
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+    float xo[4] = {0.f, 0.f, 0.f, 0.f};  // G = 4: this warp's own columns
+    if (G == 4) {
+      if (s_active) {
+        const float4 v0 = lds_f4(xch_other + kp * 512), v1 = lds_f4(xch_other + 2048 + kp * 512);
+        const float4 v2 = lds_f4(xch_other + 4096 + kp * 512), v3 = lds_f4(xch_other + 6144 + kp * 512);
+        xo[0] = (v0.x + v1.x) + (v2.x + v3.x); xo[1] = (v0.y + v1.y) + (v2.y + v3.y);
+        xo[2] = (v0.z + v1.z) + (v2.z + v3.z); xo[3] = (v0.w + v1.w) + (v2.w + v3.w);
+        if (!draft_tile && j0 + BN <= kend) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xo[e] *= sc;
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = j0 + kp * 8 + 2 * c4 + (e & 1);
+            const int tr = (e < 2) ? tA : tB;
+            const bool vis = j < kend && (j < R.L || (tr >= 0 && draft_visible(a, R, tr, j - R.L)));
+            xo[e] = vis ? xo[e] * sc : -INFINITY;
+          }
+        }
+        float pm0 = fmaxf(xo[0], xo[1]), pm1 = fmaxf(xo[2], xo[3]);
+        pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, 1));
+        pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, 1));
+        pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, 2));
+        pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, 2));
+        if (c4 == 0) {
+          mx_sm[(smi * 16 + g) * 4 + kp] = pm0;
+          mx_sm[(smi * 16 + g + 8) * 4 + kp] = pm1;
+        }
+      }
+      group_sync(smi + 2, G);  // ids 3, 4: the group's column maxima are written (every group, live or not)
+      if (s_active) {
+        const float4 ma = lds_f4(smem_u32(mx_sm + (smi * 16 + g) * 4));
+        const float4 mb = lds_f4(smem_u32(mx_sm + (smi * 16 + g + 8) * 4));
+        mx0 = fmaxf(fmaxf(ma.x, ma.y), fmaxf(ma.z, ma.w));
+        mx1 = fmaxf(fmaxf(mb.x, mb.y), fmaxf(mb.z, mb.w));
+      }
+    }
     if (s_active) {
-      if (G == 2) {  // own + partner (a + b == b + a)
+      if (G == 2) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           const float4 v = lds_f4(xch_other + n * 512);
           s[n][0] += v.x; s[n][1] += v.y; s[n][2] += v.z; s[n][3] += v.w;
         }
-      } else {  // (p0 + p1) + (p2 + p3), all read back from smem
+        if (!draft_tile && j0 + BN <= kend) {  // prefix-only tile inside the split: all visible
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const float4 v0 = lds_f4(xch_other + n * 512), v1 = lds_f4(xch_other + 2048 + n * 512);
-          const float4 v2 = lds_f4(xch_other + 4096 + n * 512), v3 = lds_f4(xch_other + 6144 + n * 512);
-          s[n][0] = (v0.x + v1.x) + (v2.x + v3.x); s[n][1] = (v0.y + v1.y) + (v2.y + v3.y);
-          s[n][2] = (v0.z + v1.z) + (v2.z + v3.z); s[n][3] = (v0.w + v1.w) + (v2.w + v3.w);
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] *= sc;
+        } else {
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int j = j0 + n * 8 + 2 * c4 + (e & 1);
+              const int tr = (e < 2) ? tA : tB;
+              const bool vis = j < kend && (j < R.L || (tr >= 0 && draft_visible(a, R, tr, j - R.L)));
+              s[n][e] = vis ? s[n][e] * sc : -INFINITY;
+            }
         }
+        mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+        mx0 = fmaxf(mx0, fmaxf(fmaxf(s[2][0], s[2][1]), fmaxf(s[3][0], s[3][1])));
+        mx1 = fmaxf(mx1, fmaxf(fmaxf(s[2][2], s[2][3]), fmaxf(s[3][2], s[3][3])));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
       }
-      if (!draft_tile && j0 + BN <= kend) {  // prefix-only tile inside the split: all visible
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] *= sc;
-      } else {
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = j0 + n * 8 + 2 * c4 + (e & 1);
-            const int tr = (e < 2) ? tA : tB;
-            const bool vis = j < kend && (j < R.L || (tr >= 0 && draft_visible(a, R, tr, j - R.L)));
-            s[n][e] = vis ? s[n][e] * sc : -INFINITY;
-          }
-      }
-      float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-      float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
-      mx0 = fmaxf(mx0, fmaxf(fmaxf(s[2][0], s[2][1]), fmaxf(s[3][0], s[3][1])));
-      mx1 = fmaxf(mx1, fmaxf(fmaxf(s[2][2], s[2][3]), fmaxf(s[3][2], s[3][3])));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
       // Lazy rescaling: the running max moves only when a tile's max exceeds it by > 8.
       float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
       if (!(mn0 > m_run0 + 8.f)) mn0 = m_run0;
@@ -263,14 +299,13 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       __nv_bfloat16* prow = psm + (smi * 16 + g) * P_STRIDE + 2 * c4;
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        // own columns: n8 tiles 2kp, 2kp+1 (G = 2) or kp (G = 4), selected without a runtime array
-        // index (s stays in registers)
+        // own columns: n8 tiles 2kp, 2kp+1 (G = 2, selected without a runtime array index: s stays in
+        // registers) or kp (G = 4: xo)
         if (G == 4 && h2 == 1) break;
         const int n = G == 2 ? kp * 2 + h2 : kp;
         float x[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          x[e] = G == 2 ? (kp ? s[2 + h2][e] : s[h2][e]) : (n == 0 ? s[0][e] : n == 1 ? s[1][e] : n == 2 ? s[2][e] : s[3][e]);
+        for (int e = 0; e < 4; ++e) x[e] = G == 2 ? (kp ? s[2 + h2][e] : s[h2][e]) : xo[e];
         const float p0 = fast_exp2(x[0] - mu0), p1 = fast_exp2(x[1] - mu0);
         const float p2 = fast_exp2(x[2] - mu1), p3 = fast_exp2(x[3] - mu1);
         rs0 += p0 + p1;
