@@ -38,7 +38,8 @@ constexpr int QUARTER_MAX_ROWS = 32;          // calls with at most this many ro
 constexpr int P_STRIDE = BN + 8;              // 80 B rows: conflict-free ldmatrix
 constexpr int P_BYTES = BM * P_STRIDE * 2;    // 5120
 constexpr int XCH_BYTES = NWARPS * 4 * 32 * 16;  // per warp 4 float4 per lane: 16384
-constexpr int STAT_BYTES = (BM + 4 * BM + BM + 4 * BM) * 4 + 16 + 32;  // alpha, l (per K part), m, column maxima (G = 4), flag, Req
+// alpha, l (per K part), m, column maxima (G = 4), flag, Req
+constexpr int STAT_BYTES = (BM + 4 * BM + BM + 4 * BM) * 4 + 16 + 32;
 constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + XCH_BYTES + P_BYTES + ROWPTR_BYTES + IDX_BYTES + STAT_BYTES;
 static_assert(KV_TILE_BYTES % 128 == 0 && XCH_BYTES % 16 == 0 && P_BYTES % 16 == 0, "alignment");
 static_assert(D_QK % 32 == 0 && BN == 32 && NWARPS == 8 && D_V == NWARPS * 64, "warp layout");
@@ -203,7 +204,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     // Tile it+1's cp.async into the other stage (free: every warp passed P.V(it-1) before this tile's
     // barrier), issued here rather than before the S phase: the S phase starts at the barrier, and the
     // copies go out while the warps wait on the exchange and run the softmax (LSU otherwise idle).
-    // 1.5-5 % faster than before the S phase, three A/B rounds (bench/results/verify-2026-11-30.md,
+    // 0.8-5.1 % faster than before the S phase, three A/B rounds (bench/results/verify-2026-11-30.md,
     // session 8); after the pre-P.V barrier or just before it: slower.
     if (it + 1 < ntiles)
       load_kv_tile(kv_base + (uint32_t)(((it + 1) & 1) * KV_TILE_BYTES), rowptr_sm + ((it + 1) % RING) * BN, a.kv_buffer);
@@ -216,31 +217,18 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     // kp) of the four K-quarter partials, (p0 + p1) + (p2 + p3), and the row max is the max of the four
     // warps' column maxima, exchanged through shared memory (a second group barrier): 4 instead of 16
     // 16-byte reads per thread, and the same S values and maxima as summing everything in every warp.
+    // (every column is visible in a prefix-only tile inside the split: scale_mask's fast path)
     float mx0 = -INFINITY, mx1 = -INFINITY;
-    float xo[4] = {0.f, 0.f, 0.f, 0.f};  // G = 4: this warp's own columns
+    float xo[1][4] = {{0.f, 0.f, 0.f, 0.f}};  // G = 4: this warp's own columns (n8 tile kp)
     if (G == 4) {
       if (s_active) {
         const float4 v0 = lds_f4(xch_other + kp * 512), v1 = lds_f4(xch_other + 2048 + kp * 512);
         const float4 v2 = lds_f4(xch_other + 4096 + kp * 512), v3 = lds_f4(xch_other + 6144 + kp * 512);
-        xo[0] = (v0.x + v1.x) + (v2.x + v3.x); xo[1] = (v0.y + v1.y) + (v2.y + v3.y);
-        xo[2] = (v0.z + v1.z) + (v2.z + v3.z); xo[3] = (v0.w + v1.w) + (v2.w + v3.w);
-        if (!draft_tile && j0 + BN <= kend) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xo[e] *= sc;
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = j0 + kp * 8 + 2 * c4 + (e & 1);
-            const int tr = (e < 2) ? tA : tB;
-            const bool vis = j < kend && (j < R.L || (tr >= 0 && draft_visible(a, R, tr, j - R.L)));
-            xo[e] = vis ? xo[e] * sc : -INFINITY;
-          }
-        }
-        float pm0 = fmaxf(xo[0], xo[1]), pm1 = fmaxf(xo[2], xo[3]);
-        pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, 1));
-        pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, 1));
-        pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, 2));
-        pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, 2));
+        xo[0][0] = (v0.x + v1.x) + (v2.x + v3.x); xo[0][1] = (v0.y + v1.y) + (v2.y + v3.y);
+        xo[0][2] = (v0.z + v1.z) + (v2.z + v3.z); xo[0][3] = (v0.w + v1.w) + (v2.w + v3.w);
+        scale_mask(xo, !draft_tile && j0 + BN <= kend, j0 + kp * 8, 2 * c4, sc, a, R, kend, tA, tB);
+        float pm0 = fmaxf(xo[0][0], xo[0][1]), pm1 = fmaxf(xo[0][2], xo[0][3]);
+        quad_max2(pm0, pm1);
         if (c4 == 0) {
           mx_sm[(smi * 16 + g) * 4 + kp] = pm0;
           mx_sm[(smi * 16 + g + 8) * 4 + kp] = pm1;
@@ -261,30 +249,12 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
           const float4 v = lds_f4(xch_other + n * 512);
           s[n][0] += v.x; s[n][1] += v.y; s[n][2] += v.z; s[n][3] += v.w;
         }
-        if (!draft_tile && j0 + BN <= kend) {  // prefix-only tile inside the split: all visible
-#pragma unroll
-          for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] *= sc;
-        } else {
-#pragma unroll
-          for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int j = j0 + n * 8 + 2 * c4 + (e & 1);
-              const int tr = (e < 2) ? tA : tB;
-              const bool vis = j < kend && (j < R.L || (tr >= 0 && draft_visible(a, R, tr, j - R.L)));
-              s[n][e] = vis ? s[n][e] * sc : -INFINITY;
-            }
-        }
+        scale_mask(s, !draft_tile && j0 + BN <= kend, j0, 2 * c4, sc, a, R, kend, tA, tB);
         mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
         mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
         mx0 = fmaxf(mx0, fmaxf(fmaxf(s[2][0], s[2][1]), fmaxf(s[3][0], s[3][1])));
         mx1 = fmaxf(mx1, fmaxf(fmaxf(s[2][2], s[2][3]), fmaxf(s[3][2], s[3][3])));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        quad_max2(mx0, mx1);
       }
       // Lazy rescaling: the running max moves only when a tile's max exceeds it by > 8.
       float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
@@ -305,7 +275,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
         const int n = G == 2 ? kp * 2 + h2 : kp;
         float x[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) x[e] = G == 2 ? (kp ? s[2 + h2][e] : s[h2][e]) : xo[e];
+        for (int e = 0; e < 4; ++e) x[e] = G == 2 ? (kp ? s[2 + h2][e] : s[h2][e]) : xo[0][e];
         const float p0 = fast_exp2(x[0] - mu0), p1 = fast_exp2(x[1] - mu0);
         const float p2 = fast_exp2(x[2] - mu1), p3 = fast_exp2(x[3] - mu1);
         rs0 += p0 + p1;

@@ -58,9 +58,41 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// NB n8 column blocks of S for this thread (block n: columns j0 + 8n + c2 and the next one, of rows tA
+// (x[n][0], x[n][1]) and tB (x[n][2], x[n][3]); t = -1: no row) into the log2 domain.  Unless every column is
+// visible, the columns a row may not see become -inf (a select, never a multiply).
+template <int NB>
+__device__ __forceinline__ void scale_mask(float (&x)[NB][4], bool all_visible, int j0, int c2, float sc,
+                                           const MtvArgs& a, const Req& R, int kend, int tA, int tB) {
+  if (all_visible) {
+#pragma unroll
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[n][e] *= sc;
+  } else {
+#pragma unroll
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = j0 + n * 8 + c2 + (e & 1);
+        const int tr = (e < 2) ? tA : tB;
+        const bool vis = j < kend && (j < R.L || (tr >= 0 && draft_visible(a, R, tr, j - R.L)));
+        x[n][e] = vis ? x[n][e] * sc : -INFINITY;
+      }
+  }
+}
+// the maxima of rows A and B over the four lanes of a quad (the lanes holding a row of an m16n8 fragment)
+__device__ __forceinline__ void quad_max2(float& m0, float& m1) {
+  m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+  m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+  m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+  m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+}
+
 // NKS k16 steps of one warp's S partial (16 rows x 32 KV columns): s += Q[:, part] . K[tile, part]^T.
-// (ptxas already runs the ldmatrix two steps ahead of the mma; a hand-pipelined version compiled to
-// the same schedule.)
+// (ptxas schedules the ldmatrix ahead as far as registers allow: `<4>` keeps up to six fragments in
+// flight, `<2>`, at 255 registers, two, so each is used two mma after it is issued (sm_90 SASS, session 8);
+// a hand-pipelined version compiled to the same schedule.)
 template <int NKS>
 __device__ __forceinline__ void s_steps(float (&s)[4][4], const uint32_t (&qf)[QK_HALF_STEPS][4], uint32_t kaddr) {
 #pragma unroll
