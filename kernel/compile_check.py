@@ -21,7 +21,7 @@ from ._build import BASE_FLAGS, CSRC, MAIN_SOURCE, extra_flags, find_nvcc
 
 SM120_SMEM_LIMIT = 101376
 # kernels launched with dynamic shared memory -> name of the C ABI getter of its size
-DYNAMIC_SMEM_KERNELS = {"mtv_fwd_kernel<2>", "mtv_fwd_kernel<4>"}
+DYNAMIC_SMEM_KERNELS = {f"mtv_fwd_kernel<{g},{split}>" for g in (2, 4) for split in (0, 1)}
 
 
 @dataclass
@@ -41,7 +41,8 @@ class KernelReport:
 
 
 def demangle(name: str) -> str:
-    """``_ZN3mtv14mtv_fwd_kernelILi4EEEv7MtvArgs`` -> ``mtv_fwd_kernel<4>`` (mtv:: names, int template args)."""
+    """``_ZN3mtv14mtv_fwd_kernelILi4ELi1EEEv7MtvArgs`` -> ``mtv_fwd_kernel<4,1>`` (mtv:: names, int template
+    args)."""
     m = re.match(r"_ZN(?:\d+\w+?)*?3mtv(\d+)", name)
     if m:
         n = int(m.group(1))

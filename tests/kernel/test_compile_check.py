@@ -27,7 +27,8 @@ def test_compile_check_passes(capsys):
     rc = compile_check.main([])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "sm_120" in out and "mtv_fwd_kernel<2>" in out and "mtv_fwd_kernel<4>" in out
+    # both S layouts, each with the one-split and the split epilogue
+    assert "sm_120" in out and all(f"mtv_fwd_kernel<{g},{s}>" in out for g in (2, 4) for s in (0, 1))
     # the combine's four column-slice instantiations are checked too
     assert all(f"mtv_combine_kernel<{s}>" in out for s in (1, 2, 4, 8))
 
@@ -36,4 +37,6 @@ def test_demangle_names_template_instantiations():
     # both instantiations of the forward kernel are reported (and checked) separately
     assert compile_check.demangle("_ZN3mtv14mtv_fwd_kernelILi4EEEv7MtvArgs") == "mtv_fwd_kernel<4>"
     assert compile_check.demangle("_ZN3mtv14mtv_fwd_kernelILi2EEEv7MtvArgs") == "mtv_fwd_kernel<2>"
+    # (S layout, split epilogue): every argument is kept, in order
+    assert compile_check.demangle("_ZN3mtv14mtv_fwd_kernelILi2ELi1EEEv7MtvArgs") == "mtv_fwd_kernel<2,1>"
     assert compile_check.demangle("_ZN3mtv18mtv_combine_kernelE7MtvArgs") == "mtv_combine_kernel"

@@ -87,21 +87,22 @@ extern "C" int mtv_tree_verify(const MtvArgs* args, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   static bool attr_done = false;  // benign race: setting the attribute twice is harmless
   if (!attr_done) {
-    cudaError_t e = cudaFuncSetAttribute(mtv::mtv_fwd_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         mtv::SMEM_BYTES);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(mtv::mtv_fwd_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, mtv::SMEM_BYTES);
-    if (e != cudaSuccess) return e;
+    for (const void* k : {(const void*)mtv::mtv_fwd_kernel<2, 0>, (const void*)mtv::mtv_fwd_kernel<2, 1>,
+                          (const void*)mtv::mtv_fwd_kernel<4, 0>, (const void*)mtv::mtv_fwd_kernel<4, 1>}) {
+      const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, mtv::SMEM_BYTES);
+      if (e != cudaSuccess) return e;
+    }
     attr_done = true;
   }
   const int64_t m_tiles = ((int64_t)a.max_q_len * a.heads + mtv::BM - 1) / mtv::BM;
   if (m_tiles > 65535 || a.batch > 65535) return mtv::ARG_SIZES;
   dim3 grid(a.num_splits, (unsigned)m_tiles, a.batch);
   // at most 32 rows per request (one CTA, <= 2 live m16 tiles): every warp works in the S phase
-  if ((int64_t)a.max_q_len * a.heads <= mtv::QUARTER_MAX_ROWS)
-    mtv::mtv_fwd_kernel<4><<<grid, mtv::NTHREADS, mtv::SMEM_BYTES, st>>>(a);
-  else
-    mtv::mtv_fwd_kernel<2><<<grid, mtv::NTHREADS, mtv::SMEM_BYTES, st>>>(a);
+  // (and the epilogue: fp32 partials for the combine when the KV is split, else the bf16 output)
+  const bool quarter = (int64_t)a.max_q_len * a.heads <= mtv::QUARTER_MAX_ROWS, split = a.num_splits > 1;
+  auto kernel = quarter ? (split ? mtv::mtv_fwd_kernel<4, 1> : mtv::mtv_fwd_kernel<4, 0>)
+                        : (split ? mtv::mtv_fwd_kernel<2, 1> : mtv::mtv_fwd_kernel<2, 0>);
+  kernel<<<grid, mtv::NTHREADS, mtv::SMEM_BYTES, st>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (a.num_splits > 1) {

@@ -57,12 +57,47 @@ __device__ __forceinline__ float row_lse2(float l, float m) {
   return (l > 0.f) ? m + log2f(l) : (l == 0.f ? -INFINITY : l);
 }
 
+// The one-split epilogue: warp `warp` writes its 64 columns of every live row of O (bf16, scaled by 1 / l)
+// and, if requested, the rows' natural-log LSE.
+template <int G, int MI>
+__device__ __forceinline__ void store_output(const MtvArgs& a, const float (&o_acc)[MI][8][4], const float* l_sm,
+                                             const float* m_sm, int64_t q_start, int row0, int M, int H, int nmi,
+                                             int warp, int g, int c4) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int lr = mi * 16 + g + hr * 8;
+      const int r = row0 + lr;
+      if (mi >= nmi || r >= M) continue;
+      const int t = r / H, h = r - t * H;
+      const float l = row_l<G>(l_sm, lr);
+      const float inv = (l > 0.f) ? 1.f / l : (l == 0.f ? 0.f : l);
+      const int64_t tok = q_start + t;
+      __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(a.o) + tok * a.o_s0 + (int64_t)h * a.o_s1;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int col = warp * 64 + n * 8 + 2 * c4;
+        *reinterpret_cast<__nv_bfloat162*>(op + col) =
+            __floats2bfloat162_rn(o_acc[mi][n][hr * 2] * inv, o_acc[mi][n][hr * 2 + 1] * inv);
+      }
+      if (a.lse != nullptr && warp == 0 && c4 == 0)
+        a.lse[tok * a.lse_s0 + (int64_t)h * a.lse_s1] = row_lse2(l, m_sm[lr]) * 0.6931471805599453f;
+    }
+  }
+}
+
 // G: warps per m16 row tile in the S phase (2: K halves, for CTAs with 3-4 live row tiles; 4: K
 // quarters, for calls whose requests have at most 32 rows, T*H <= 32) - a template argument, chosen on
 // the host from (max_q_len, heads) only, so that each instantiation keeps its registers (no spills).
-template <int G>
+// SPLIT: 1 for calls with num_splits > 1 (the epilogue writes fp32 partials for the combine), 0 for one split
+// (bf16 output directly) - a template argument, chosen on the host, so that each kernel holds only its own
+// epilogue: with both in one kernel, ptxas scheduled `<2>`'s KV loop differently and unsplit calls ran 1.6 %
+// slower (bench/results/verify-2026-11-30.md, session 9).
+template <int G, int SPLIT>
 __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   static_assert(G == 2 || G == 4, "2 or 4 warps per row tile");
+  static_assert(SPLIT == 0 || SPLIT == 1, "split epilogue or not");
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* kvbuf0 = reinterpret_cast<__nv_bfloat16*>(smem);
   __nv_bfloat16* kvbuf1 = kvbuf0 + BN * KV_STRIDE;
@@ -422,30 +457,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   }
   __syncthreads();
 
-  if (a.num_splits == 1) {
-    // ---- epilogue: warp writes its 64 columns of every live row
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int lr = mi * 16 + g + hr * 8;
-        const int r = row0 + lr;
-        if (mi >= nmi || r >= M) continue;
-        const int t = r / H, h = r - t * H;
-        const float l = row_l<G>(l_sm, lr);
-        const float inv = (l > 0.f) ? 1.f / l : (l == 0.f ? 0.f : l);
-        const int64_t tok = rq_sm->q_start + t;
-        __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(a.o) + tok * a.o_s0 + (int64_t)h * a.o_s1;
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          const int col = warp * 64 + n * 8 + 2 * c4;
-          *reinterpret_cast<__nv_bfloat162*>(op + col) =
-              __floats2bfloat162_rn(o_acc[mi][n][hr * 2] * inv, o_acc[mi][n][hr * 2 + 1] * inv);
-        }
-        if (a.lse != nullptr && warp == 0 && c4 == 0)
-          a.lse[tok * a.lse_s0 + (int64_t)h * a.lse_s1] = row_lse2(l, m_sm[lr]) * 0.6931471805599453f;
-      }
-    }
+  if (SPLIT == 0 || a.num_splits == 1) {
+    // ---- epilogue: warp writes its 64 columns of every live row (bf16).  The split kernel keeps this
+    // branch too (never taken there): without it ptxas spilled 16 B in sm_120's `<2, 1>`.
+    store_output<G, MI>(a, o_acc, l_sm, m_sm, rq_sm->q_start, row0, M, H, nmi, warp, g, c4);
   } else {
     // ---- split epilogue: the O partial (fp32, scaled by 1 / l) and the log2 LSE of every live row.  A
     // CTA's rows are consecutive workspace rows (q_start * H + row0 + lr).  Each warp stages its 64 columns
