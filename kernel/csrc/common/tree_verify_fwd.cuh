@@ -48,11 +48,13 @@ static_assert(SMEM_BYTES <= 101376, "must fit the sm_120 shared-memory budget");
 constexpr int EPI_PITCH = 64 + 8;  // split epilogue staging: floats per row (conflict-free float2 stores)
 static_assert(NWARPS * 32 * EPI_PITCH * 4 <= 2 * KV_TILE_BYTES, "the split epilogue stages in the KV stages");
 
-// a row's softmax denominator (the sum of its G K-part warps' sums) and its log2 LSE (m + log2 l)
+// a row's softmax denominator (the sum of its G K-part warps' sums), the output scale 1 / l (0 for a row that saw
+// nothing; a NaN l stays NaN) and its log2 LSE (m + log2 l)
 template <int G>
 __device__ __forceinline__ float row_l(const float* l_sm, int lr) {
   return G == 2 ? l_sm[lr] + l_sm[BM + lr] : (l_sm[lr] + l_sm[BM + lr]) + (l_sm[2 * BM + lr] + l_sm[3 * BM + lr]);
 }
+__device__ __forceinline__ float row_inv(float l) { return (l > 0.f) ? 1.f / l : (l == 0.f ? 0.f : l); }
 __device__ __forceinline__ float row_lse2(float l, float m) {
   return (l > 0.f) ? m + log2f(l) : (l == 0.f ? -INFINITY : l);
 }
@@ -72,7 +74,7 @@ __device__ __forceinline__ void store_output(const MtvArgs& a, const float (&o_a
       if (mi >= nmi || r >= M) continue;
       const int t = r / H, h = r - t * H;
       const float l = row_l<G>(l_sm, lr);
-      const float inv = (l > 0.f) ? 1.f / l : (l == 0.f ? 0.f : l);
+      const float inv = row_inv(l);
       const int64_t tok = q_start + t;
       __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(a.o) + tok * a.o_s0 + (int64_t)h * a.o_s1;
 #pragma unroll
@@ -474,7 +476,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
       const int lr = tid;
       if (lr < nmi * 16 && row0 + lr < M) {
         const float l = row_l<G>(l_sm, lr);
-        alpha_sm[lr] = (l > 0.f) ? 1.f / l : (l == 0.f ? 0.f : l);
+        alpha_sm[lr] = row_inv(l);
         a.workspace[(int64_t)a.num_splits * R * D_V + (int64_t)split * R + wrow0 + lr] = row_lse2(l, m_sm[lr]);
       }
     }
