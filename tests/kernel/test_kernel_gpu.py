@@ -76,6 +76,49 @@ def test_combine_every_slice_count_and_split_count(T, H, splits):
     assert (out.float() - one.float()).abs().max().item() <= 2 * testing.ulp_bf16(one.float().abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "prefix_lens,tree_sizes,heads,kind,std",
+    [
+        ([3000], [4], 8, "random", 1.0),  # 32 rows: both row tiles of the small-call schedule live
+        ([1500, 0, 1], [2, 1, 2], 8, "chain", 8.0),  # at most 16 rows per request: the second row tile empty
+        ([777, 64], [3, 5], 4, "star", 1.0),  # 20 rows: the second row tile partly live
+        ([257, 31], [1, 1], 1, "random", 5.0),  # one row per request
+    ],
+    ids=["rows32", "rows16-peaky", "rows20", "rows1"],
+)
+def test_small_call_schedule_vs_oracle(prefix_lens, tree_sizes, heads, kind, std):
+    # calls of at most 32 rows per request (max_q_len * heads <= 32) run the K-quarter schedule (G = 4): every
+    # warp's S partial spans both row tiles, and each block of S is finished from four warps' partials
+    case = testing.make_case(prefix_lens, tree_sizes, heads, seed=sum(prefix_lens), device="cuda", tree_kind=kind,
+                             logit_std=std)
+    assert case.max_q_len * heads <= 32
+    ref, ref_lse = _oracle(case)
+    tri = None
+    if HAVE_TRITON:
+        tri = testing.run_sglang_triton(case, testing.poison_(torch.empty_like(case.q[..., :512])))
+        torch.cuda.synchronize()
+    for splits in (None, 1, 5):
+        out, lse, flag = _run(case, num_splits=splits)
+        assert flag == 0, (case.desc, splits, flag)
+        ok, info = testing.pass_rule(out, ref, tri)
+        assert ok, (case.desc, splits, info)
+        assert (lse.double() - ref_lse).abs().max().item() < 1e-3, (case.desc, splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_small_call_schedule_nonfinite_leaf_stays_in_its_rows(splits):
+    # a NaN in a leaf draft's K (seen only by that draft) reaches exactly the oracle's non-finite rows in the
+    # K-quarter schedule too (its blocks of S are summed from several warps' partials)
+    case = testing.make_case([150, 40], [4, 3], 8, seed=21, device="cuda", tree_kind="chain")
+    case.k_draft[3] = float("nan")  # the chain's last node of request 0: a leaf
+    ref, _ = _oracle(case)
+    out, _, _ = _run(case, num_splits=splits)
+    nf_ref = ~torch.isfinite(ref)
+    assert nf_ref.any() and (~nf_ref).any()
+    assert torch.equal(nf_ref, ~torch.isfinite(out)), (nf_ref.sum().item(), (~torch.isfinite(out)).sum().item())
+    assert (out.double()[~nf_ref] - ref[~nf_ref]).abs().max().item() < 0.05
+
+
 def test_index_dtypes_and_uint8_mask():
     case = testing.make_case([300, 0, 77], [9, 5, 12], 8, seed=4, device="cuda", mask_dtype=torch.uint8)
     case.qo_indptr = case.qo_indptr.long()

@@ -5,8 +5,9 @@
 // every KV tile carries the math of 64 query rows (a 32-row schedule, measured until 2026-11-30,
 // was 1.3-1.5x slower: bench/results/verify-2026-11-30.md).
 //
-// Q (64 x 576 bf16 = 73.7 KB) lives in registers only (72 regs/thread), loaded straight from
-// global memory in mma A-fragment layout: no smem staging, no wait before the first KV tile.
+// Q lives in registers during the KV loop (72 regs/thread).  G = 2 (64 x 576 bf16 = 73.7 KB) loads it straight
+// from global memory in mma A-fragment layout (no wait before the first KV tile); G = 4 (32 rows, both row tiles
+// per warp) stages it in the KV stages and takes its fragments by ldmatrix before tile 0 lands.
 // Shared memory: 2 KV stages (2 x 37.4 KB), 16 KB S-partial exchange, P (5 KB), ring, stats.  After the
 // KV loop the stages hold the split epilogue's staging: each warp's 64 columns of 32 rows at a time.
 //
@@ -16,11 +17,13 @@
 //       partner warp (w^1) through smem (one 64-thread named barrier); both warps then hold the
 //       full 16 x 32 S (same fp32 sums, a+b == b+a) and compute the same row max, but each
 //       exponentiates and stores only its own 16 columns of P (bf16).
-//       (G = 4, calls with at most 32 rows per request) warp w -> row tile w>>2, K quarter w&3
-//       (144 columns, 9 k-steps); each warp sums its own 8 columns of the four partials as
-//       (p0+p1)+(p2+p3) and exponentiates them, the row max coming from the four warps' column maxima
-//       (a second group barrier): no warp idles in S and the dependent mma chains are half as long
-//       (1.1x faster on (1, 200000, 4, 8), verify-2026-11-30.md).
+//       (G = 4, calls with at most 32 rows per request) warp w -> K quarter w>>1 (144 columns, 9
+//       k-steps) of both row tiles and KV rows (w&1)*16 .. +16: 9 x (1 ldmatrix.x4 + 4 mma), so the
+//       tile's K is read from smem once; then warp w finishes one m16n8 block (row tile w>>2, n8 tile
+//       kp) as (p0+p1)+(p2+p3) of the four K-quarter partials and exponentiates it, the row max
+//       coming from the four warps' column maxima (a second group barrier): no warp idles in S and
+//       the dependent mma chains are half as long (1.1x faster on (1, 200000, 4, 8) than G = 2,
+//       verify-2026-11-30.md).
 //   PV  warp w -> V columns w*64 .. +64 for all 64 rows (O: 4 x 8 m16n8 tiles, 128 regs):
 //       per k16 step 4 ldmatrix.x4.trans (V) + 4 ldmatrix.x4 (P) + 32 mma.
 //   per warp per tile: 136 mma, 52 ldmatrix (36 K + 8 V + 8 P), 2 barriers (1 CTA-wide after
@@ -137,6 +140,25 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   if (G == 4 && M - row0 > QUARTER_MAX_ROWS && split == 0 && tid == 0) set_err(a.error_flag, ERR_Q_TILES);
   const int nmi = min(G == 4 ? 2 : 4, (M - row0 + 15) >> 4);
 
+  // ---- G = 4: Q's 32 rows -> the KV stages (row lr at lr * KV_STRIDE: the K tiles' conflict-free pitch), by
+  // cp.async, 16 bytes per thread: each warp instruction copies 4 whole rows of 128 contiguous bytes (rows past M
+  // zero-filled).  They go out first, so their round trip overlaps warp 0's slot fetches below; the fragments
+  // (both row tiles of the warp's K quarter) then come by ldmatrix, before tile 0 overwrites stage 0.
+  if (G == 4) {
+    const int lr = tid >> 3, r = row0 + lr, c0 = tid & 7;
+    const bool ok = r < M;
+    const int t = ok ? r / H : 0;
+    const char* src = ok ? reinterpret_cast<const char*>(reinterpret_cast<const __nv_bfloat16*>(a.q) +
+                                                         (rq.q_start + t) * a.q_s0 + (int64_t)(r - t * H) * a.q_s1 + c0 * 8)
+                         : reinterpret_cast<const char*>(a.q);
+    const uint32_t dst = smem_u32(kvbuf0) + (uint32_t)((lr * KV_STRIDE + c0 * 8) * 2);
+#pragma unroll
+    for (int k = 0; k < CHUNKS_PER_ROW / 8; ++k)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + k * 128), "l"(src + (ok ? k * 128 : 0)),
+                   "r"(ok ? 16 : 0));
+    cp_async_commit();
+  }
+
   // ---- row addresses of tiles 0 and 1 -> ring; tile 2's indices -> index ring (cp.async, in tile 0's
   // commit group); tile 0 -> kvbuf0
   if (tid == 0) *rq_sm = rq;
@@ -147,31 +169,49 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     rowptr_sm[tid] = row_ptr(a, rq, kbeg + tid, kend, s0);
     rowptr_sm[BN + tid] = row_ptr(a, rq, kbeg + BN + tid, kend, s1);
   }
-  __syncthreads();
+  // Q fragments, A-fragment layout of m16n8k16.  G = 2: qf[ks] = row tile smi, K half kq; G = 4: qf[mi * 9 + ks]
+  // = row tile mi, K quarter kq.
+  uint32_t qf[QK_HALF_STEPS][4];
+  if (G == 4) {
+    cp_async_wait_all();  // Q (warp 0's index copy is not committed yet: it joins tile 0's group)
+    __syncthreads();
+    const uint32_t q_addr =
+        smem_u32(kvbuf0) + (uint32_t)(((lane & 15) * KV_STRIDE + (warp >> 1) * (D_QK / 4) + (lane >> 4) * 8) * 2);
+#pragma unroll
+    for (int ks = 0; ks < QK_HALF_STEPS; ++ks)
+      ldsm_x4(qf[ks], q_addr + (uint32_t)((ks / 9) * 16 * KV_STRIDE * 2 + (ks % 9) * 32));
+  }
+  __syncthreads();  // the rings are published (G = 4: and every warp's Q reads are done)
   load_kv_tile(smem_u32(kvbuf0), rowptr_sm, a.kv_buffer);
   cp_async_commit();
 
-  // ---- S-phase role and Q fragments (global -> registers, A-fragment layout of m16n8k16).
-  // G warps share one m16 row tile and split K: G = 2 (K halves, 18 k-steps), or G = 4 (K quarters,
-  // 9 k-steps) when a call has at most 2 row tiles: then no warp idles in the S phase of a small
-  // (memory-bound) call and the mma chains are half as long.
-  const int smi = warp / G, kp = warp % G;
-  const int kcol0 = kp * (D_QK / G);  // first K column of this warp's part
+  // S-phase roles.  G = 2: warps 2i, 2i+1 share m16 row tile smi = i and split K in halves (18 k-steps each);
+  // each computes a 16 x 32 partial of S and both finish the tile's S rows.  G = 4 (calls of at most 2 row
+  // tiles, 32 rows): warp w computes the partial of K quarter kq = w >> 1 (9 k-steps) for all 32 rows and the
+  // KV rows nh * 16 .. +16, nh = w & 1, so every K element is read from shared memory once per tile (the
+  // 16-row layout read it once per row tile); then it finishes one m16n8 block of S: row tile smi = w >> 2,
+  // n8 tile kp, from the four K-quarter partials of that block.  No warp idles in the S phase of a small
+  // (memory-bound) call and the mma chains are half as long as G = 2's.
+  const int smi = warp / G;
+  const int kp = G == 2 ? warp % G : 2 * (warp & 1) + ((warp >> 1) & 1);
+  const int kq = G == 2 ? warp % G : (warp >> 1), nh = G == 2 ? 0 : (warp & 1);
+  const int kcol0 = kq * (D_QK / G);  // first K column of this warp's part
   const int g = lane >> 2, c4 = lane & 3;
   const bool s_active = smi < nmi;  // warp-uniform (all warps of a group agree)
+
   const int rA = row0 + smi * 16 + g, rB = rA + 8;
   const bool vA = rA < M, vB = rB < M;
   const int tA = vA ? rA / H : -1, tB = vB ? rB / H : -1;  // draft token of the row, -1: no row
-  uint32_t qf[QK_HALF_STEPS][4];
-  {
+  if (G == 2) {  // G = 2: straight from global memory into registers (overlaps tile 0's copies).  Staging them
+    // like G = 4's cost split calls 1.8 % (bench/results/verify-2026-11-30.md, session 10: ptxas then spilled
+    // the row sums in the KV loop of the sm_90 build).
     const __nv_bfloat16* qp = reinterpret_cast<const __nv_bfloat16*>(a.q);
     const int ta = max(tA, 0), tb = max(tB, 0);
     const __nv_bfloat16* qa = qp + (rq.q_start + ta) * a.q_s0 + (int64_t)(rA - ta * H) * a.q_s1 + kcol0 + 2 * c4;
     const __nv_bfloat16* qb = qp + (rq.q_start + tb) * a.q_s0 + (int64_t)(rB - tb * H) * a.q_s1 + kcol0 + 2 * c4;
-    const int nks = QK_HALF_STEPS * 2 / G;
 #pragma unroll
     for (int ks = 0; ks < QK_HALF_STEPS; ++ks) {
-      const bool la = s_active && vA && ks < nks, lb = s_active && vB && ks < nks;
+      const bool la = s_active && vA, lb = s_active && vB;
       qf[ks][0] = la ? ldg_u32(qa + ks * 16) : 0u;
       qf[ks][1] = lb ? ldg_u32(qb + ks * 16) : 0u;
       qf[ks][2] = la ? ldg_u32(qa + ks * 16 + 8) : 0u;
@@ -193,15 +233,19 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
 
   // per-lane smem byte offsets of the ldmatrix sources
   const uint32_t kv_base = smem_u32(kvbuf0);
-  // S: K rows (n) lane-dependent, K columns kcol0 + ks*16 (+8 for lanes 8-15 / 24-31)
-  const uint32_t k_off = (uint32_t)((((lane >> 4) * 8 + (lane & 7)) * KV_STRIDE + kcol0 + ((lane >> 3) & 1) * 8) * 2);
+  // S: K rows (n) lane-dependent (G = 4: from nh * 16), K columns kcol0 + ks*16 (+8 for lanes 8-15 / 24-31)
+  const uint32_t k_off =
+      (uint32_t)(((nh * 16 + (lane >> 4) * 8 + (lane & 7)) * KV_STRIDE + kcol0 + ((lane >> 3) & 1) * 8) * 2);
   // PV: V rows (k) lane-dependent, V columns warp*64 + np*16 (+8 for lanes 16-31)
   const uint32_t v_off = (uint32_t)((((lane & 7) + ((lane >> 3) & 1) * 8) * KV_STRIDE + warp * 64 + (lane >> 4) * 8) * 2);
   const uint32_t p_addr = smem_u32(psm) + (uint32_t)(((lane & 15) * P_STRIDE + (lane >> 4) * 8) * 2);
-  // S-partial exchange: warp w's partial at w*2 KB (4 float4 per lane); the group's first warp is smi*G
-  // (G = 2: the partner's partial; G = 4: the group's first partial, the others 2 KB apart)
+  // S-partial exchange: warp w's partial at w*2 KB (4 float4 per lane: G = 2 n8 tile n at n * 512, G = 4 block
+  // (mi, n8 tile 2 nh + f) at (mi * 2 + f) * 512).  G = 2 reads the partner's partial; G = 4 reads its block
+  // (smi, kp) from the four K-quarter warps 2 kq + (kp >> 1), 4 KB apart.
   const uint32_t xch_mine = smem_u32(xch) + (uint32_t)((warp * 4 * 32 + lane) * 16);
-  const uint32_t xch_other = smem_u32(xch) + (uint32_t)((((G == 2) ? (warp ^ 1) : smi * G) * 4 * 32 + lane) * 16);
+  const uint32_t xch_other =
+      smem_u32(xch) + (uint32_t)(G == 2 ? ((warp ^ 1) * 4 * 32 + lane) * 16
+                                        : (((kp >> 1) * 4 * 32 + lane) * 16 + (smi * 2 + (kp & 1)) * 512));
 
   cp_async_wait_all();
   __syncthreads();
@@ -236,20 +280,21 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     float s[4][4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    if (s_active) {
+    if (G == 4 || s_active) {
       if (G == 2) s_steps<QK_HALF_STEPS>(s, qf, cur_b + k_off);
-      else s_steps<QK_HALF_STEPS / 2>(s, qf, cur_b + k_off);
+      else s_steps_rows2(s, qf, cur_b + k_off, nmi > 1);
 #pragma unroll
       for (int n = 0; n < 4; ++n) sts_f4(xch_mine + n * 512, s[n]);
     }
     // Draft tiles are sanitised in place below (after every warp's S reads): CTA barrier.
-    // Prefix tiles: group barrier, executed by EVERY group, live or not (the warps of a group share
-    // s_active, so barrier smi+1 always sees exactly its G*32 threads).  Skipping it in groups without
+    // Prefix tiles: group barrier, executed by EVERY group, live or not (G = 2: the pair of row tile smi,
+    // which shares s_active, so barrier smi+1 always sees exactly its 64 threads; G = 4: the four K-quarter
+    // warps of KV half nh, barrier nh+1, whose blocks those same warps finish).  Skipping it in groups without
     // a live row (nmi < 4) left warps with different barrier counts, and compute-sanitizer
     // racecheck, which orders accesses by barrier phase, then reported every later exchange
     // (alpha, P, l/m, V vs the next cp.async) as a race (15 hazards).
     MTV_STAMP_IT(it, 4);
-    if (draft_tile) __syncthreads(); else group_sync(smi, G);
+    if (draft_tile) __syncthreads(); else group_sync(G == 2 ? smi : nh, G);
     // Tile it+1's cp.async into the other stage (free: every warp passed P.V(it-1) before this tile's
     // barrier), issued here rather than before the S phase: the S phase starts at the barrier, and the
     // copies go out while the warps wait on the exchange and run the softmax (LSU otherwise idle).
@@ -271,8 +316,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     float xo[1][4] = {{0.f, 0.f, 0.f, 0.f}};  // G = 4: this warp's own columns (n8 tile kp)
     if (G == 4) {
       if (s_active) {
-        const float4 v0 = lds_f4(xch_other + kp * 512), v1 = lds_f4(xch_other + 2048 + kp * 512);
-        const float4 v2 = lds_f4(xch_other + 4096 + kp * 512), v3 = lds_f4(xch_other + 6144 + kp * 512);
+        const float4 v0 = lds_f4(xch_other), v1 = lds_f4(xch_other + 4096);
+        const float4 v2 = lds_f4(xch_other + 8192), v3 = lds_f4(xch_other + 12288);
         xo[0][0] = (v0.x + v1.x) + (v2.x + v3.x); xo[0][1] = (v0.y + v1.y) + (v2.y + v3.y);
         xo[0][2] = (v0.z + v1.z) + (v2.z + v3.z); xo[0][3] = (v0.w + v1.w) + (v2.w + v3.w);
         scale_mask(xo, !draft_tile && j0 + BN <= kend, j0 + kp * 8, 2 * c4, sc, a, R, kend, tA, tB);
