@@ -111,27 +111,27 @@ __device__ __forceinline__ void s_steps(float (&s)[4][4], const uint32_t (&qf)[Q
 // tiles): 9 x (1 ldmatrix.x4 + 4 mma), s[mi * 2 + f] = block (row tile mi, n8 tile f).  Each K fragment feeds four
 // mma (the 16-row layout: two), so a tile's K is read from shared memory once.  `two` (warp-uniform): the second
 // row tile holds a live row; otherwise only the first is computed.
+template <bool TWO>
+__device__ __forceinline__ void s_step_rows2(float (&s)[4][4], const uint32_t (&qf)[QK_HALF_STEPS][4], uint32_t kaddr,
+                                             int ks) {
+  constexpr int NKS = QK_HALF_STEPS / 2;
+  uint32_t bfr[4];
+  ldsm_x4(bfr, kaddr + (uint32_t)(ks * 32));
+  mma_bf16(s[0], qf[ks], bfr[0], bfr[1]);
+  mma_bf16(s[1], qf[ks], bfr[2], bfr[3]);
+  if (TWO) {
+    mma_bf16(s[2], qf[NKS + ks], bfr[0], bfr[1]);
+    mma_bf16(s[3], qf[NKS + ks], bfr[2], bfr[3]);
+  }
+}
 __device__ __forceinline__ void s_steps_rows2(float (&s)[4][4], const uint32_t (&qf)[QK_HALF_STEPS][4], uint32_t kaddr,
                                               bool two) {
-  constexpr int NKS = QK_HALF_STEPS / 2;
   if (two) {
 #pragma unroll
-    for (int ks = 0; ks < NKS; ++ks) {
-      uint32_t bfr[4];
-      ldsm_x4(bfr, kaddr + (uint32_t)(ks * 32));
-      mma_bf16(s[0], qf[ks], bfr[0], bfr[1]);
-      mma_bf16(s[1], qf[ks], bfr[2], bfr[3]);
-      mma_bf16(s[2], qf[NKS + ks], bfr[0], bfr[1]);
-      mma_bf16(s[3], qf[NKS + ks], bfr[2], bfr[3]);
-    }
+    for (int ks = 0; ks < QK_HALF_STEPS / 2; ++ks) s_step_rows2<true>(s, qf, kaddr, ks);
   } else {
 #pragma unroll
-    for (int ks = 0; ks < NKS; ++ks) {
-      uint32_t bfr[4];
-      ldsm_x4(bfr, kaddr + (uint32_t)(ks * 32));
-      mma_bf16(s[0], qf[ks], bfr[0], bfr[1]);
-      mma_bf16(s[1], qf[ks], bfr[2], bfr[3]);
-    }
+    for (int ks = 0; ks < QK_HALF_STEPS / 2; ++ks) s_step_rows2<false>(s, qf, kaddr, ks);
   }
 }
 
