@@ -25,8 +25,9 @@ from sqlalchemy.exc import DBAPIError
 
 from shadowd.collector import tables as t
 from shadowd.collector.batch import DIGEST_PREFIX, BadBatch, ValidBatch
-from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, Rows, compute_deltas
+from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, compute_deltas
 from shadowd.collector.sample_rows import pg_copy, sample_values, sqlite_plan, sqlite_rows
+from shadowd.collector.upsert import Upserter
 from shadowd.judge.policy import Policy
 from shadowd.wire import PRODUCER_STATS
 
@@ -95,13 +96,6 @@ class IngestResult:
     mode_override: str | None = None
 
 
-def _pg_array(values: list[Any]) -> str:
-    """A PostgreSQL array literal of ints, floats (repr: exact; nan, inf) or strings (quoted)."""
-    if values and isinstance(values[0], str):
-        return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
-    return "{" + ",".join(map(repr, values)) + "}"
-
-
 RUN_FIELDS = (
     "model", "num_layers", "tp_size", "gpu_name", "gpu_arch", "driver", "sglang_version", "candidate_name",
     "candidate_fingerprint", "baseline_name", "baseline_fingerprint", "labels", "started_at",
@@ -122,6 +116,7 @@ class Store:
         self.store_samples = store_samples
         self.dialect = engine.dialect.name
         self._sql_cache: dict[tuple[Any, ...], Any] = {}
+        self._upserter = Upserter(self.dialect)
         # SQLite has one writer at a time: queue writers on a lock in the process instead of letting
         # them spin in SQLite's busy handler (which sleeps in growing steps); PostgreSQL needs none
         # (the ingest writer processes share one lock across processes: ``write_lock``)
@@ -143,50 +138,6 @@ class Store:
     # ---- dialect helpers -------------------------------------------------------------------------
     def _insert(self, table: Table) -> Any:
         return postgresql.insert(table) if self.dialect == "postgresql" else sqlite.insert(table)
-
-    def _upsert(self, cur: Any, table: Table, rows: Rows, keys: tuple[str, ...],
-                add: tuple[str, ...] = (), greatest: tuple[str, ...] = (), least: tuple[str, ...] = ()) -> None:
-        """INSERT ... ON CONFLICT DO UPDATE with increments: on PostgreSQL one statement over unnest()ed
-        column arrays, on SQLite one driver-level executemany."""
-        if not len(rows):
-            return
-        # a counter or maximum that is 0 in every row changes nothing (maxima are of values ≥ 0) and a
-        # new row gets 0 by default: leave it out of the statement
-        zero = {c for c, v in zip(rows.cols, rows.values, strict=True)
-                if (c in add or c in greatest) and table.c[c].server_default is not None and not any(v)}
-        if zero:
-            keep = [i for i, c in enumerate(rows.cols) if c not in zero]
-            rows = Rows(tuple(rows.cols[i] for i in keep), [rows.values[i] for i in keep])
-            add = tuple(c for c in add if c not in zero)
-            greatest = tuple(c for c in greatest if c not in zero)
-        sql = self._upsert_sql(table, rows.cols, keys, add, greatest, least)
-        if self.dialect == "postgresql":
-            # each column as one array literal in text: PostgreSQL parses it in C, where adapting
-            # thousands of Python numbers to arrays would take longer than the upsert itself
-            cur.execute(sql, tuple(_pg_array(v) for v in rows.values))
-        else:
-            cur.executemany(sql, rows.rows)
-
-    def _upsert_sql(self, table: Table, cols: tuple[str, ...], keys: tuple[str, ...], add: tuple[str, ...],
-                    greatest: tuple[str, ...], least: tuple[str, ...]) -> str:
-        cache_key = (table.name, cols, keys, add, greatest, least)
-        sql = self._sql_cache.get(cache_key)
-        if sql is None:
-            pg = self.dialect == "postgresql"
-            hi, lo = ("GREATEST", "LEAST") if pg else ("MAX", "MIN")
-            q = ", ".join(f'"{c}"' for c in cols)
-            sets = [f'"{c}" = {table.name}."{c}" + excluded."{c}"' for c in add]
-            sets += [f'"{c}" = {hi}({table.name}."{c}", excluded."{c}")' for c in greatest]
-            sets += [f'"{c}" = {lo}({table.name}."{c}", excluded."{c}")' for c in least]
-            if pg:
-                arrays = ", ".join(f"%s::{table.c[c].type.compile(dialect=postgresql.dialect())}[]" for c in cols)
-                source = f"SELECT * FROM unnest({arrays})"
-            else:
-                source = f"VALUES ({', '.join(['?'] * len(cols))})"
-            sql = (f"INSERT INTO {table.name} ({q}) {source} "
-                   f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(sets)}")
-            self._sql_cache[cache_key] = sql
-        return sql
 
     # ---- runs ------------------------------------------------------------------------------------
     def register_run(self, fields: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -336,11 +287,11 @@ class Store:
 
         if self.store_samples:
             self._insert_samples(cur, job, int(claimed[0]))
-        self._upsert(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
+        self._upserter.upsert(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
                      greatest=(*MAXES, "last_ts"), least=("first_ts",))
-        self._upsert(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
-        self._upsert(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
-        self._upsert(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
+        self._upserter.upsert(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
+        self._upserter.upsert(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
+        self._upserter.upsert(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
                      least=("first_ts",))
         policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
         cur.execute(q["run_update"], (
