@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=1, metavar="N",
                     help="validate samples 1 in N steps (under a graph the candidate gate idles it on the rest)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/sglang_hook.json")
+    ap.add_argument("--oracle-bundles", action="store_true",
+                    help="only the eager oracle sampling and repro-bundle run (see oracle_and_bundles)")
     args = ap.parse_args()
     standins()
     import sglang
@@ -171,6 +173,10 @@ def main() -> None:
     from shadowd.sglang.verify import VerifyShadow
 
     original = tb.TritonAttnBackend.forward_extend
+    if args.oracle_bundles:
+        with get_parallel().override(dcp_enabled=False):
+            oracle_and_bundles(tb, original, args.out, args.quick)
+        return
     shapes = [dict(bs=1, prefix=4096, draft=8, heads=8), dict(bs=1, prefix=32768, draft=16, heads=8),
               dict(bs=4, prefix=8192, draft=64, heads=16)]
     if args.quick:
@@ -246,6 +252,65 @@ def main() -> None:
             del case
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def oracle_and_bundles(tb: Any, original: Any, out: str, quick: bool) -> None:
+    """Eager validate through the real SGLang path with oracle sampling on every call and a bundle tolerance
+    of 0 (every sampled call breaches it): per shape, the oracle errors of candidate and Triton per layer,
+    the first repro bundle (written by the streamer's side from a snapshot of the next call) and its replay
+    (baseline, candidate and oracle rerun on the bundle's compact inputs)."""
+    import tempfile
+
+    import sglang
+    import torch
+
+    from shadowd.hook.config import HookConfig, Sampling
+    from shadowd.hook.replay import replay_bundle
+    from shadowd.hook.runtime import HookRuntime, set_runtime
+    from shadowd.sglang.verify import VerifyShadow
+
+    shapes = [dict(bs=1, prefix=4096, draft=8, heads=8), dict(bs=1, prefix=32768, draft=16, heads=8),
+              dict(bs=4, prefix=8192, draft=64, heads=16)]
+    if quick:
+        shapes = shapes[:1]
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "sglang": sglang.__version__, "shapes": []}
+    for shp in shapes:
+        root = Path(tempfile.mkdtemp(prefix="shadowd-bundles-"))
+        case = make_case(tb, layers=4, **shp)
+        samples: list[dict[str, Any]] = []
+        rt = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1), oracle_every=1, bundle_dir=root,
+                                    bundle_max=1, bundle_rel_l2=0.0), sink=samples.append)
+        set_runtime(rt)
+        hook = VerifyShadow(runtime=rt, first_layer=0)
+
+        def fe(*a: Any, hook: Any = hook, **kw: Any) -> Any:
+            return hook(original, *a, **kw)
+
+        for _ in range(3):  # step 1 arms every layer's site, step 2 is snapshotted, the polls save a bundle
+            step(case, fe)
+            for _ in range(3):
+                torch.cuda.synchronize()
+                samples.extend(rt.device().poll())
+        row: dict[str, Any] = dict(shp)
+        row["samples"] = len(samples)
+        row["oracle_cand_err"] = [s["oracle_cand_err"] for s in samples[:4]]
+        row["oracle_base_err"] = [s["oracle_base_err"] for s in samples[:4]]
+        bundles = sorted(root.iterdir())
+        row["bundles"] = len(bundles)
+        row["bundle_mb"] = round(sum(f.stat().st_size for f in bundles[0].iterdir()) / 2**20, 1) if bundles else None
+        if bundles:
+            res = replay_bundle(bundles[0])
+            row["replay_errors"] = res["errors"]
+            row["replay_reproducible"] = res["reproducible"]
+            row["replay_oracle"] = res["oracle"]
+            row["replay_rerun_max_abs"] = (res["rerun"] or {}).get("max_abs")
+        print(json.dumps(row), flush=True)
+        results["shapes"].append(row)
+        set_runtime(None)
+        del case
+        torch.cuda.empty_cache()
+    Path(out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ call goes through ``shadowd.hook.device`` (graph-capturable, no host synchronisa
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -41,12 +42,15 @@ import torch
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "CandidateGate", "ShadowSite", "max_abs_chunked"]
+__all__ = ["Bucket", "BundleArgs", "CandidateGate", "ShadowSite", "max_abs_chunked"]
 
 log = logging.getLogger("shadowd.hook")
 
 #: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)``, see :class:`ShadowSite`
 CandidateGate = Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+#: ``bundle_args(args, kwargs, max_bytes) -> (args, kwargs, refs) | None``, see :class:`ShadowSite`
+BundleArgs = Callable[[tuple[Any, ...], dict[str, Any], int],
+                      "tuple[tuple[Any, ...], dict[str, Any], dict[str, str]] | None"]
 
 
 @dataclass
@@ -75,8 +79,8 @@ def max_abs_chunked(a: torch.Tensor, b: torch.Tensor, rows: int) -> float:
     for i in range(0, a2.shape[0], rows):
         d = (a2[i:i + rows].float() - b2[i:i + rows].float()).abs()
         m = float(d.max()) if d.numel() else 0.0
-        if m != m:
-            return float("nan")
+        if not math.isfinite(m):  # a NaN, or an Inf on either side
+            return math.nan
         out = max(out, m)
     return out
 
@@ -100,7 +104,7 @@ class ShadowSite:
                  first_layer: int = 0, clone_max_bytes: int = 64 * 2**20,
                  refs: dict[str, str] | None = None,
                  baseline_gate: Callable[..., AbstractContextManager[Any]] | None = None,
-                 candidate_gate: CandidateGate | None = None) -> None:
+                 candidate_gate: CandidateGate | None = None, bundle_args: BundleArgs | None = None) -> None:
         self.name = name
         self.baseline = baseline
         #: on mode under a CUDA graph: ``baseline_gate(sstate, args, kwargs)`` is a context manager in
@@ -115,6 +119,10 @@ class ShadowSite:
         #: calls, kill switch, disabled candidate); those copies are the candidate's own, the other
         #: arguments are protected as usual
         self.candidate_gate = candidate_gate
+        #: repro bundles on the CUDA path (``shadowd.hook.capture``): ``bundle_args(args, kwargs, max_bytes)``
+        #: returns the call's inputs in a self-contained, compact form — private device copies — with the
+        #: ``refs`` that replay them, or None when they would exceed ``max_bytes``; default: every tensor copied
+        self.bundle_args = bundle_args
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()
@@ -265,11 +273,19 @@ class ShadowSite:
         return s
 
     def _save_bundle(self, args: tuple[Any, ...], kwargs: dict[str, Any], out_b: Any, out_c: Any,
-                     sample: dict[str, Any], reason: str) -> Any:
+                     sample: dict[str, Any], reason: str, refs: dict[str, str] | None = None) -> Any:
+        # ``refs`` given: the arguments are already in the site's bundle form (shadowd.hook.capture)
+        cfg = self.rt.config
         if self._bundles is None:
             from shadowd.hook.bundle import BundleWriter
 
-            cfg = self.rt.config
             assert cfg.bundle_dir is not None
             self._bundles = BundleWriter(cfg.bundle_dir, cfg.bundle_max, cfg.bundle_max_bytes)
-        return self._bundles.save(self.name, args, kwargs, out_b, out_c, sample, reason, self.refs)
+        if refs is None and self.bundle_args is not None:
+            packed = self.bundle_args(args, kwargs, cfg.bundle_max_bytes)
+            if packed is None:
+                self._bundles.skipped += 1
+                return None
+            args, kwargs, refs = packed
+        return self._bundles.save(self.name, args, kwargs, out_b, out_c, sample, reason,
+                                  self.refs if refs is None else refs)

@@ -81,13 +81,14 @@ def record_inputs(sstate_ptr, dstate_ptr):
 
 @triton.jit
 def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
-                  hard_scaled, hard_rel_l2_sq, site_id, PUBLISH: tl.constexpr, GPU: tl.constexpr,
+                  hard_scaled, hard_rel_l2_sq, site_id, kind, PUBLISH: tl.constexpr, GPU: tl.constexpr,
                   NMETA: tl.constexpr):
     # The last program of a sampled call: the raw vector (layout of shadowd.hook.diffstats) from the
     # accumulator row (L2 reads: the other programs' atomics live there), which it then resets for the
     # next call (stream order makes plain stores enough); the on-mode hard-failure check (sticky device
     # fallback flag); the record into a ring slot, and the slot's sequence number last, behind a CTA
-    # barrier and a system-scope fence. ``inputs``: :func:`record_inputs`.
+    # barrier and a system-scope fence. ``inputs``: :func:`record_inputs`; ``kind``: what the record compares
+    # (``shadowd.hook.launch``'s REC_* codes: candidate vs baseline, or one side vs the oracle).
     use_cand, pub, seq, fb_old, call, step, mode, base_ns, cand_ns, batch, draft, prefix = inputs
     key = tl.load(acc_ptr + A_KEY, cache_modifier=".cg")
     rel = tl.load(acc_ptr + A_REL, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
@@ -155,6 +156,7 @@ def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec
         tl.store(rec + 8, draft.to(tl.float64))
         tl.store(rec + 9, prefix.to(tl.float64))
         tl.store(rec + 10, site_id.to(tl.float64))
+        tl.store(rec + 11, kind.to(tl.float64))
         tl.store(rec, seq.to(tl.float64))
         if PUBLISH:
             # every record store above happens-before the sequence number: CTA barrier, then a

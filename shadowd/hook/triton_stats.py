@@ -291,9 +291,9 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
     return keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist, counts
 
 
-@triton.jit(do_not_specialize=["n_static", "row_numel", "ring_size", "rec_size", "site_id"])
+@triton.jit(do_not_specialize=["n_static", "row_numel", "ring_size", "rec_size", "site_id", "kind"])
 def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_numel, sstate_ptr, rec_ptr, seq_ptr,
-                  ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id,
+                  ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id, kind,
                   HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
                   PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr, NW: tl.constexpr,
                   SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr, ONE: tl.constexpr):
@@ -358,7 +358,7 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
         ticket = tl.atomic_add(acc_ptr + A_TICKET, 1, sem="acq_rel")
         if ticket == nprog - 1:
             finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec_size, dstate_ptr,
-                          hard_scaled, hard_rel_l2_sq, site_id, PUBLISH, GPU, NMETA)
+                          hard_scaled, hard_rel_l2_sq, site_id, kind, PUBLISH, GPU, NMETA)
 
 
 stats_kernel = _stats_kernel

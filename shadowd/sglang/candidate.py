@@ -20,6 +20,10 @@ clones of the small tensors and watch the large ones (the KV cache):
 * :func:`candidate` — ``mla_tree_verify.tree_verify`` on CUDA (reads the cache, never writes it;
   its own output tensor). On CPU (tests) the fp32 oracle ``mla_tree_verify.oracle`` stands in.
   ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``).
+* :func:`oracle` — the site's reference for oracle sampling (``SHADOWD_ORACLE``, eager calls only):
+  ``mla_tree_verify.oracle`` in float32 over the same inputs (it gathers only the rows a draft may see,
+  the prefix in chunks of 4096 rows, so its memory stays bounded at 200k-token prefixes), ``[T, H*512]``
+  fp32.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "candidate_fingerprint",
     "candidate_fn",
     "candidate_gate",
+    "oracle",
 ]
 
 CANDIDATE_ENV = "SHADOWD_CANDIDATE"
@@ -136,6 +141,21 @@ def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     out = fn(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
              custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len)
     return out.view(t, call.heads * D_V)
+
+
+def oracle(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_buffer: torch.Tensor,
+           qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+           custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 reference over the same inputs: ``[T, H*512]`` float32 (see the module docstring)."""
+    from mla_tree_verify import oracle as mtv_oracle
+
+    del v
+    t = q.shape[0]
+    out: torch.Tensor = mtv_oracle.attention(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr,
+                                             kv_indptr, kv_indices, custom_mask,
+                                             mask_indptr if custom_mask is not None else None, call.scaling,
+                                             dtype=torch.float32)
+    return out.reshape(t, call.heads * D_V)
 
 
 def candidate_fingerprint() -> str:

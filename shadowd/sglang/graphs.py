@@ -10,8 +10,9 @@ message naming the flag that turns decode graphs off):
   contain a Python-level decision frozen at capture time;
 * a candidate override (``SHADOWD_CANDIDATE``) that is not the project's capturable kernel (e.g.
   the oracle, which reads indices on the host);
-* the oracle or repro bundles requested (``SHADOWD_ORACLE`` > 0, ``SHADOWD_BUNDLE_DIR``): both
-  need host reads of device data, which replay never runs (they would silently never happen).
+* the oracle or repro bundles requested (``SHADOWD_ORACLE`` > 0, ``SHADOWD_BUNDLE_DIR``): the oracle
+  runs on eager calls only (it reads the index pointers on the host) and bundles need the inputs on the
+  host; neither can happen on a replay, so under graphs they would silently (almost) never happen.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def graph_refusal(config: HookConfig, env: Mapping[str, str] | None = None, *,
     if cand not in _CAPTURABLE_CANDIDATES:
         return f"SHADOWD_CANDIDATE={cand} is not known to be CUDA-graph capturable"
     if config.oracle_every > 0:
-        return "SHADOWD_ORACLE > 0 needs host reads that a graph replay never runs"
+        return "SHADOWD_ORACLE > 0: the oracle runs on eager calls only, never on a graph replay"
     if config.bundle_dir is not None:
         return "SHADOWD_BUNDLE_DIR (repro bundles) needs host reads that a graph replay never runs"
     return None

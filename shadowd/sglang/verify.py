@@ -27,7 +27,17 @@ import torch
 
 from shadowd.hook.runtime import HookRuntime, get_runtime
 from shadowd.hook.site import Bucket, ShadowSite
-from shadowd.sglang.candidate import D_QK, D_V, VerifyCall, baseline, baseline_gate, candidate, candidate_gate
+from shadowd.sglang.bundles import bundle_args
+from shadowd.sglang.candidate import (
+    D_QK,
+    D_V,
+    VerifyCall,
+    baseline,
+    baseline_gate,
+    candidate,
+    candidate_gate,
+    oracle,
+)
 
 __all__ = ["SITE_NAME", "TARGET", "VerifyShadow", "ineligible"]
 
@@ -87,10 +97,12 @@ class VerifyShadow:
             first = self._first_layer
             if first is None:
                 first = int(getattr(getattr(backend, "token_to_kv_pool", None), "start_layer", 0) or 0)
-            self.site = ShadowSite(SITE_NAME, baseline, candidate, runtime=self._runtime or get_runtime(),
-                                   first_layer=first, baseline_gate=baseline_gate, candidate_gate=candidate_gate,
+            self.site = ShadowSite(SITE_NAME, baseline, candidate, oracle=oracle,
+                                   runtime=self._runtime or get_runtime(), first_layer=first,
+                                   baseline_gate=baseline_gate, candidate_gate=candidate_gate, bundle_args=bundle_args,
                                    refs={"baseline": "shadowd.sglang.candidate:baseline",
-                                         "candidate": "shadowd.sglang.candidate:candidate"})
+                                         "candidate": "shadowd.sglang.candidate:candidate",
+                                         "oracle": "shadowd.sglang.candidate:oracle"})
         return self.site
 
     def __call__(self, original: Any, backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,

@@ -381,6 +381,8 @@ def test_gpu_no_host_sync_on_the_serving_path() -> None:
     rt, site, x, w, valid, meta, bucket = _graph_site("validate")
     g, _out = _capture(site, x, w, bucket)
     eager = Bucket(batch_size=2, draft_tokens=16, prefix_len=1000, heads=8, valid_rows=valid, meta=meta)
+    site.oracle = gpu_oracle  # eager calls also sample the oracle (it reads nothing on the host)
+    rt.config.oracle_every = 2
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
     try:
@@ -389,7 +391,131 @@ def test_gpu_no_host_sync_on_the_serving_path() -> None:
             g.replay()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert len(_drain(rt)) >= 40
+    samples = _drain(rt)
+    assert len(samples) >= 40
+    assert sum(s["oracle_cand_err"] is not None for s in samples) == 10
+
+
+def gpu_oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.float() @ w.float()
+
+
+def test_gpu_eager_oracle_sampling_records_both_sides_errors() -> None:
+    rt, _sink = make_runtime("validate", oracle_every=2)
+    site = ShadowSite("g", gpu_base, gpu_cand, oracle=gpu_oracle, runtime=rt)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    xs = [torch.randn(ROWS, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(4)]
+    w = torch.randn(K, N, device="cuda", generator=gen).to(torch.bfloat16)
+    valid = torch.tensor([ROWS - 9], dtype=torch.int32, device="cuda")
+    bucket = Bucket(batch_size=1, draft_tokens=8, heads=8, valid_rows=valid)
+    outs = [site(x, w, layer=0, bucket=bucket) for x in xs]
+    samples = _drain(rt)
+    assert len(samples) == 4, "the oracle's records are merged into their call's sample, never samples"
+    for i, (x, out, s) in enumerate(zip(xs, outs, samples, strict=True)):
+        assert torch.equal(out, gpu_base(x, w))
+        real = (ROWS - 9) * N
+        ref, base, cand = (f(x, w).reshape(-1)[:real].float() for f in (gpu_oracle, gpu_base, gpu_cand))
+        check(s, {k: v for k, v in stats_torch(cand.cpu(), base.cpu()).items() if k != "max_pos"})
+        if i % 2 == 0:  # 1 in 2 sampled calls: the second and the fourth
+            assert s["oracle_cand_err"] is None and s["oracle_base_err"] is None
+        else:  # exactly the fp32 max |side - oracle| over the real rows
+            assert s["oracle_cand_err"] == float((cand - ref).abs().max())
+            assert s["oracle_base_err"] == float((base - ref).abs().max())
+            assert s["oracle_cand_err"] > 0 and s["oracle_base_err"] > 0
+
+
+def test_gpu_eager_oracle_faults_never_reach_serving() -> None:
+    def raising(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("oracle broke")
+
+    def nan_oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ref = gpu_oracle(x, w)
+        ref[3, 5] = float("nan")
+        return ref
+
+    x = torch.randn(ROWS, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(K, N, device="cuda").to(torch.bfloat16)
+    for oracle, expect_nan in ((raising, None), (lambda x, w: gpu_oracle(x, w)[:, :7], None), (nan_oracle, True)):
+        rt, _sink = make_runtime("validate", oracle_every=1)
+        site = ShadowSite("g", gpu_base, gpu_cand, oracle=oracle, runtime=rt)
+        assert torch.equal(site(x, w, layer=0), gpu_base(x, w))
+        (s,) = _drain(rt)
+        assert s["error"] is None and s["max_abs"] > 0  # the call's own statistics are untouched
+        if expect_nan is None:  # raised, or the wrong shape: no oracle errors, the fault counted
+            assert s["oracle_cand_err"] is None and site.errors["oracle"] == 1
+        else:
+            assert math.isnan(s["oracle_cand_err"]) and math.isnan(s["oracle_base_err"])
+
+
+def _bundles_after_polls(rt, root) -> list:
+    for _ in range(3):  # start the snapshot's host copies, then finish it (the streamer's thread does this)
+        torch.cuda.synchronize()
+        rt.device().poll()
+    return sorted(root.iterdir()) if root.exists() else []
+
+
+def test_gpu_eager_failing_call_is_bundled_without_a_host_sync(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    rt, _sink = make_runtime("validate", bundle_dir=tmp_path / "b")
+    site = ShadowSite("g", gpu_base, lambda *a: 1 / 0, runtime=rt)
+    x = torch.randn(ROWS, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(K, N, device="cuda").to(torch.bfloat16)
+    site(x, w, layer=0)  # compiles the kernels
+    _bundles_after_polls(rt, tmp_path / "b")
+    x2 = torch.randn(ROWS, K, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = site(x2, w, layer=0)  # the snapshot is taken on the serving thread: device copies only
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, gpu_base(x2, w))
+    x2.fill_(0)  # serving overwrites its buffers: the bundle holds the call's inputs as they were
+    bundles = _bundles_after_polls(rt, tmp_path / "b")
+    assert len(bundles) == 2 and "exception_ZeroDivisionError" in bundles[1].name
+    t = load_file(str(bundles[1] / "tensors.safetensors"))
+    assert torch.equal(t["arg.1"], w.cpu()) and t["arg.0"].abs().sum() > 0
+    assert torch.equal(t["out.baseline"], gpu_base(t["arg.0"].cuda(), w).cpu()) and "out.candidate" not in t
+
+
+def test_gpu_numeric_breach_arms_the_next_call_which_is_bundled(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from shadowd.hook.capture import ARM_TRIES
+
+    bias = torch.zeros(1, device="cuda")
+
+    def drifting(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (gpu_cand(x, w).float() + bias).to(torch.bfloat16)
+
+    rt, _sink = make_runtime("validate", bundle_dir=tmp_path / "b")
+    site = ShadowSite("g", gpu_base, drifting, runtime=rt)
+    w = torch.randn(K, N, device="cuda").to(torch.bfloat16)
+    xs = [torch.randn(ROWS, K, device="cuda").to(torch.bfloat16) for _ in range(3 + ARM_TRIES)]
+    bias.fill_(1.0)
+    site(xs[0], w, layer=0)  # breaches: nothing can be saved (its inputs are gone by the time it is seen)
+    assert _bundles_after_polls(rt, tmp_path / "b") == []  # ... but it arms the site
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        site(xs[1], w, layer=0)  # armed: snapshotted, and it breaches too
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    (bundle,) = _bundles_after_polls(rt, tmp_path / "b")
+    t = load_file(str(bundle / "tensors.safetensors"))
+    assert torch.equal(t["arg.0"], xs[1].cpu()) and torch.equal(t["out.candidate"], drifting(xs[1], w).cpu())
+    assert "tolerance" in bundle.name or "rel_l2" in bundle.name or "max_abs" in bundle.name
+    # armed again by the next breach, then the candidate recovers: ARM_TRIES snapshots, none saved, disarmed
+    site(xs[2], w, layer=0)
+    _bundles_after_polls(rt, tmp_path / "b")
+    bias.fill_(0.0)
+    caps = rt.device().captures
+    before = caps.dropped
+    for x in xs[3:]:
+        site(x, w, layer=0)
+        _bundles_after_polls(rt, tmp_path / "b")
+    assert caps.dropped - before == ARM_TRIES and caps.saved == 1
+    assert not caps.wants(0) and len(_bundles_after_polls(rt, tmp_path / "b")) == 1
 
 
 def test_gpu_candidate_exception_during_eager_call_is_a_sample() -> None:

@@ -182,6 +182,21 @@ for _ in range(2):
     s5(x, w, nsz, layer=0, bucket=bk)
 out["cand_gate"] = {"sizes": csizes, "records": len(recs5), "baseline_returned": returned,
                     "nsz_untouched": nsz.tolist() == [7, 3], "after_kill_records": len(ds5.poll())}
+# oracle sampling on the device path (eager validate, 1 in 2 sampled calls): candidate vs oracle and baseline
+# vs oracle as ring records of their own, merged into their call's sample (real rows only)
+CAPTURE[0] = False  # eager calls only
+def oracle_fn(x, w): return (x.double() @ w.double()).float()
+rt6 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1), oracle_every=2), sink=lambda s: None)
+ds6 = rt6.device(); ds6.use_timer = False
+s6 = ShadowSite("t6", base, cand, oracle=oracle_fn, runtime=rt6)
+returned6 = [torch.equal(s6(x, w, layer=0, bucket=bk), base(x, w)) for _ in range(4)]
+recs6 = ds6.poll()
+ref6 = oracle_fn(x, w).reshape(-1)[:96]
+out["oracle"] = {"returned": returned6, "n": len(recs6), "cand": [r["oracle_cand_err"] for r in recs6],
+                 "base": [r["oracle_base_err"] for r in recs6],
+                 "cand_ref": float((cand(x, w).reshape(-1)[:96] - ref6).abs().max()),
+                 "base_ref": float((base(x, w).reshape(-1)[:96] - ref6).abs().max()),
+                 "errors": s6.errors}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -217,6 +232,13 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert sorted(cg["sizes"][:4]) == [0, 0, 7, 7] and cg["sizes"][4:] == [0, 0], cg
     assert cg["records"] == 2 and cg["after_kill_records"] == 0, cg
     assert all(cg["baseline_returned"]) and cg["nsz_untouched"], cg
+    # oracle sampling on the device path: 4 samples (the oracle's records are not samples), the 2nd and 4th
+    # carrying exactly max |side - oracle| over the 96 real elements
+    o = r["oracle"]
+    assert all(o["returned"]) and o["n"] == 4 and o["errors"] == {}, o
+    assert o["cand"][0] is None and o["cand"][2] is None and o["base"][0] is None, o
+    assert o["cand"][1] == o["cand"][3] == o["cand_ref"] > 0, o
+    assert o["base"][1] == o["base"][3] == o["base_ref"] > 0, o
 
 
 def test_histogram_scheme_falls_back_where_its_shared_memory_does_not_fit() -> None:

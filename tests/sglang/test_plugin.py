@@ -91,6 +91,65 @@ def test_validate_returns_triton_exactly_one_sample_per_layer(sgl: Any, fresh_pl
     assert {s["new_requests"] for s in samples[1:]} == {None}
 
 
+def test_validate_oracle_sampling_records_both_sides_errors(sgl: Any, fresh_plugins: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = run_layers(make_case(sgl))
+    samples = _runtime("validate", oracle_every=2)
+    _load(fresh_plugins, monkeypatch, "validate")
+    got = run_layers(make_case(sgl))
+    assert all(torch.equal(e, o) for e, o in zip(expected, got, strict=True))  # still Triton's result
+    assert [s["oracle_cand_err"] is None for s in samples] == [True, False, True]
+    s = samples[1]
+    # the CPU stand-in candidate is this oracle (bit for bit); SGLang's Triton is near it, not equal
+    assert s["oracle_cand_err"] == 0.0
+    assert 0.0 < s["oracle_base_err"] < 1e-4
+
+
+def biased_candidate(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor, qo_indptr: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, custom_mask: Any, mask_indptr: Any,
+                     sm_scale: float, max_q_len: int | None = None) -> torch.Tensor:
+    """A faulty candidate (``SHADOWD_CANDIDATE``): the fp32 oracle plus 0.5 everywhere."""
+    from mla_tree_verify import oracle
+
+    return oracle.attention(q, k, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sm_scale,
+                            dtype=torch.float32) + 0.5
+
+
+def test_validate_bundle_holds_only_what_the_call_reads_and_replays(sgl: Any, fresh_plugins: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Any) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from shadowd.hook.replay import replay_bundle
+    from shadowd.sglang.bundles import REFS
+
+    expected = run_layers(make_case(sgl))  # the un-hooked SGLang
+    monkeypatch.setenv("SHADOWD_CANDIDATE", "tests.sglang.test_plugin:biased_candidate")
+    samples = _runtime("validate", bundle_dir=tmp_path / "b", bundle_max=1)
+    _load(fresh_plugins, monkeypatch, "validate")
+    case = make_case(sgl)
+    assert all(torch.equal(e, o) for e, o in zip(expected, run_layers(case), strict=True))
+    assert len(samples) == 3 and all(s["rel_l2"] > 0.1 for s in samples)
+    (bundle,) = sorted((tmp_path / "b").iterdir())  # one: the count bound
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert meta["refs"] == REFS and meta["kwargs"] == {"sm_scale": 192**-0.5, "max_q_len": 4}
+    assert "unserializable" not in json.dumps(meta["args"])  # no SGLang object: a self-contained call
+    t = load_file(str(bundle / "tensors.safetensors"))
+    md = case.backend.forward_metadata
+    n = md.kv_indices.numel()
+    assert t["arg.0"].shape == (8, 2, 576) and t["arg.2"].shape == (n, 1, 576)  # the rows read, not the cache
+    assert torch.equal(t["arg.2"].reshape(n, 576), case.pool.get_key_buffer(0)[md.kv_indices].reshape(n, 576))
+    assert torch.equal(t["arg.5"], torch.arange(n))
+    assert torch.equal(t["out.baseline"], expected[0])
+    res = replay_bundle(bundle, device="cpu")
+    assert res["errors"] == {}, res["errors"]
+    assert res["reproducible"] == {"baseline": 0.0, "candidate": 0.0}, res["reproducible"]
+    assert res["oracle"]["candidate_err"] == pytest.approx(0.5, abs=1e-6)
+    assert res["oracle"]["baseline_err"] < 1e-4
+
+
 def test_non_verify_modes_and_draft_runner_untouched(sgl: Any, fresh_plugins: Any,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import shadowd.sglang.plugin as plugin

@@ -1,0 +1,183 @@
+"""The statistics kernel's launch and the call path's record layout (``shadowd.hook.device`` uses them).
+
+* :func:`launch_stats` — one launch of the fused statistics kernel (``shadowd.hook.triton_stats``): the tile
+  from the output's static size (graph-safe), programmatic dependent launch on sm_90+, registers capped so
+  that the programs meant to share an SM fit it;
+* the ring record's layout: ``NMETA`` words of metadata (word 11: the record's kind, ``REC_*``), then the raw
+  statistics vector of ``shadowd.hook.diffstats``;
+* :func:`gated_copy` — the work-size copies of baseline and candidate gates;
+* :func:`fused_raw_stats` — the raw vector of two device tensors (tests, benches).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+
+from shadowd.hook.diffstats import NRAW
+from shadowd.hook.triton_control import gate_kernel
+from shadowd.hook.triton_hist import COLS_WARPS
+from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
+
+__all__ = ["HIST_MODE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC", "REC_MAIN", "REC_MAIN_ORACLE",
+           "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND", "SMALL_NUMEL", "SMALL_TILE", "SPEC_NUMEL",
+           "TILE", "fused_raw_stats", "gated_copy", "hist_mode_for", "launch_stats", "new_accumulator",
+           "pdl_supported"]
+
+NMETA = 12  # record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind
+#: record kinds (word 11): candidate vs baseline; the same, preceded by this call's two oracle records
+#: (eager validate, 1 in ``oracle_every`` sampled calls); candidate vs oracle; baseline vs oracle
+REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_CAND, REC_ORACLE_BASE = range(4)
+#: decision words of a call (``_Slot.sstate``) read by the gate kernel: the baseline / the candidate must work
+RUN_BASE, RUN_CAND = 13, 14
+REC = NMETA + NRAW
+#: statistics kernel: elements per tile, warps, programs per SM (bench/diffstats.py measures variants)
+TILE = (4096, 8, 2)
+#: outputs up to SMALL_NUMEL elements use SMALL_TILE: one short tile per program keeps the latency of a
+#: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
+SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
+#: outputs up to MID_NUMEL elements (one to four tiles per program) use MID_TILE: four warps, registers
+#: uncapped (on the H200: 64×16×512 bf16 3.74 µs per call against 4.12 µs with TILE, 128×32×512 6.0 against
+#: 6.8 µs; bench/results/hook-2026-11-30.md)
+MID_NUMEL, MID_TILE = 2**22, (4096, 4, 2)
+#: outputs up to SPEC_NUMEL elements launched without PDL load their first tile before the call's decision
+#: arrives (it saves a memory round trip on sampled calls and costs that read on unsampled ones; under PDL
+#: the decision is read before the wait instead, at no cost); up to POS_NUMEL the pass
+#: tracks the position of max |d| per element instead of re-reading it (latency over instructions)
+SPEC_NUMEL = 2**17
+POS_NUMEL = 2**22
+REGS_PER_SM = 65536  # sm_80 .. sm_120
+#: histogram (shadowd.hook.triton_hist): 1 tl.histogram, 2 warp ballots, 3 per-thread shared-memory columns
+#: (compiled for COLS_WARPS warps; other warp counts fall back to ballots)
+HIST_MODE = 3
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_SMS: dict[Any, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def new_accumulator(device: torch.device) -> torch.Tensor:
+    """A zeroed accumulator row for :func:`launch_stats` (one per call site; reset by the kernel)."""
+    return torch.zeros(ACC_WORDS, dtype=torch.int64, device=device)
+
+
+_PDL: dict[Any, bool] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the statistics kernel is launched with programmatic dependent launch on ``device``: sm_90+
+    and a Triton with the ``launch_pdl`` option. Its launch then overlaps the previous kernel's tail: it
+    zeroes its histogram and reads the call's decision and real count (see :func:`launch_stats`' contract),
+    then waits for the previous kernel's writes (``griddepcontrol.wait``) before anything else
+    (bench/results/hook-2026-11-30.md)."""
+    if device not in _PDL:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
+            has_opt = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+        except ImportError:
+            has_opt = False
+        _PDL[device] = (not _INTERPRET and has_opt and device.type == "cuda"
+                        and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _PDL[device]
+
+
+def hist_mode_for(mode: int, warps: int) -> int:
+    """The histogram mode really compiled for ``warps`` warps: the shared-memory columns (3) where they
+    fit (COLS_WARPS), else warp ballots."""
+    if mode == 3 and warps not in COLS_WARPS:
+        return 2
+    return mode
+
+
+def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec: torch.Tensor,
+                 seq: torch.Tensor, sstate: torch.Tensor, dstate: torch.Tensor, *, valid_rows: Any = None,
+                 hard_scaled: float = 0.25, hard_rel_l2: float = 0.1, site_id: int = 0,
+                 publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True,
+                 hist_mode: int | None = None, spec: bool | None = None, pdl: bool | None = None,
+                 kind: int = REC_MAIN) -> Any:
+    """Launch the statistics kernel (one launch; no sync, no allocation when inputs are contiguous).
+
+    Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
+    (:func:`new_accumulator`); calls sharing one must be stream-ordered. Positions of max |d| are exact
+    below 2^32 elements. ``tile`` (elements per tile, warps, programs per SM), ``hist`` and ``hist_mode``
+    (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) and ``spec`` (load the first tile before the
+    decision word; default: outputs up to SPEC_NUMEL elements launched without PDL) and ``pdl`` (programmatic
+    dependent launch; default: :func:`pdl_supported`) are benchmark knobs; the hook uses the defaults.
+    ``kind`` goes into the record's word 11 (``REC_*``: what the record compares).
+
+    Contract under PDL: the kernel reads the decision word ``sstate[0]`` and ``valid_rows`` before it waits
+    for the previous kernel, so the kernel directly before it on the stream must not write them (in the
+    hook that kernel is the timer stamp, which writes ``sstate[8]``); everything else it reads after."""
+    c = cand.reshape(-1) if cand.is_contiguous() else cand.contiguous().reshape(-1)
+    b = base.reshape(-1) if base.is_contiguous() else base.contiguous().reshape(-1)
+    n = b.numel()
+    row = base[0].numel() if base.dim() and base.shape[0] else 1
+    has_valid = isinstance(valid_rows, torch.Tensor)
+    if isinstance(valid_rows, int):
+        n = min(n, valid_rows * row)
+    block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else MID_TILE if n <= MID_NUMEL else TILE)
+    # histogram by inline PTX on the GPU (shared-memory columns, or warp ballots where the columns are not
+    # compiled for this many warps); tl.histogram in the interpreter
+    mode = (hist_mode or (1 if _INTERPRET else HIST_MODE)) if hist else 0
+    mode = hist_mode_for(mode, warps)
+    vec = max(1, min(8, 16 // b.element_size()))  # one 16-byte vector per row of a tile
+    nprog = max(1, min(per_sm * _sms(c.device), triton.cdiv(max(n, 1), block)))
+    # registers capped so that per_sm programs fit one SM's 64 K registers (the loads in flight per SM
+    # are what reaches the bandwidth); the interpreter takes no launch options
+    # (allocated per warp in steps of 8 per thread; 255, the most a thread can address, when the share allows 256)
+    share = REGS_PER_SM // (warps * 32 * per_sm)
+    opts: dict[str, Any] = {} if _INTERPRET else {"maxnreg": 255 if share >= 256 else share // 8 * 8}
+    pdl = pdl_supported(c.device) if pdl is None else (pdl and not _INTERPRET)
+    if pdl:
+        opts["launch_pdl"] = True
+    if spec is None:  # under PDL the decision is read before the wait: a speculative load gains nothing
+        spec = n <= SPEC_NUMEL and not pdl
+    return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
+                           sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
+                           hard_rel_l2 * hard_rel_l2, site_id, kind, HAS_VALID=has_valid, BLOCK=block, VEC=vec,
+                           HIST=mode, PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
+                           SPEC=spec, POS=n <= POS_NUMEL,
+                           PDL=pdl, ONE=nprog * block >= n, num_warps=warps, **opts)
+
+
+def gated_copy(src: torch.Tensor, sstate: torch.Tensor, word: int = RUN_BASE) -> torch.Tensor:
+    """A copy of the small int tensor ``src`` that holds zeros on calls whose baseline (``word`` =
+    RUN_BASE) or candidate (RUN_CAND) is gated off.
+
+    ``sstate`` is the call site's decision words (what a ``baseline_gate`` / ``candidate_gate`` receives);
+    one tiny launch, no sync, graph-safe (under capture the copy comes from the graph's pool and the
+    kernel re-decides on every replay)."""
+    if word not in (RUN_BASE, RUN_CAND):
+        raise ValueError(f"word: expected RUN_BASE ({RUN_BASE}) or RUN_CAND ({RUN_CAND}), got {word!r}")
+    src = src.contiguous()
+    dst = torch.empty_like(src)
+    n = src.numel()
+    gate_kernel[(1,)](src, dst, n, sstate, WORD=word, BLOCK=max(16, triton.next_power_of_2(max(n, 1))),
+                      num_warps=1)
+    return dst
+
+
+def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = None, *,
+                    tile: tuple[int, int, int] | None = None, hist_mode: int | None = None) -> torch.Tensor:
+    """The raw statistics vector (device float64[NRAW]) of the fused kernels; for tests and benches
+    (``tile`` and ``hist_mode`` as in :func:`launch_stats`)."""
+    dev = base.device
+    sstate = torch.zeros(16, dtype=torch.int64, device=dev)
+    sstate[0] = 1  # do_stats
+    sstate[12] = 1  # publish (into the one-record ring here)
+    rec = torch.zeros(1, REC, dtype=torch.float64, device=dev)
+    launch_stats(cand, base, new_accumulator(dev), rec,
+                 torch.zeros(1, dtype=torch.int64, device=dev), sstate,
+                 torch.zeros(8, dtype=torch.int64, device=dev), valid_rows=valid_rows, publish=False,
+                 tile=tile, hist_mode=hist_mode)
+    return rec[0, NMETA:]
