@@ -237,6 +237,22 @@ def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, A
     return True
 
 
+def _capture_after_fallback(site: ShadowSite, ds: DeviceState, args: tuple[Any, ...], kwargs: dict[str, Any],
+                            layer: int, b: Bucket) -> Any:
+    """On mode after a fall-back, at a call site that the failure armed (eager): the failing call's inputs were
+    gone when the ring showed its failure, so the candidate runs once more beside the baseline, on protected
+    inputs, only to be snapshotted for a bundle; the baseline's result is returned. (A *disabled* candidate —
+    repeated errors, a modified input — never runs again.)"""
+    out_b = site.baseline(*args, **kwargs)
+    cargs, ckwargs, _watched = site._protect(args, kwargs)
+    out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
+    if err is None:
+        err = site._check(out_c, out_b)
+    site._isolated("bundle", ds.captures.snapshot, site, ds.slot(site, layer).site_id, layer, b, "on", args, kwargs,
+                   out_b, out_c if err is None else None, err)
+    return out_b
+
+
 def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket) -> Any:
     """One shadowed call on CUDA tensors (eager or under CUDA-graph capture)."""
     rt = site.rt
@@ -245,6 +261,9 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     code = rt.mode_code
     blocked = rt.disabled or rt.fallback
     if blocked:
+        if (rt.fallback and not rt.disabled and not capturing and rt.config.bundle_dir is not None
+                and ds.captures.wants(ds.slot(site, layer).site_id)):
+            return _capture_after_fallback(site, ds, args, kwargs, layer, b)
         return site.baseline(*args, **kwargs)
     host_decides, do_stats, use_cand = 1, 1, 0
     if not capturing:

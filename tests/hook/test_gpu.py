@@ -518,6 +518,30 @@ def test_gpu_numeric_breach_arms_the_next_call_which_is_bundled(tmp_path) -> Non
     assert not caps.wants(0) and len(_bundles_after_polls(rt, tmp_path / "b")) == 1
 
 
+def test_gpu_on_mode_hard_failure_is_bundled_after_the_fallback(tmp_path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    def bad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (gpu_cand(x, w).float() + 4.0).to(torch.bfloat16)
+
+    rt, _sink = make_runtime("on", spot_every=1, bundle_dir=tmp_path / "b")
+    site = ShadowSite("g", gpu_base, bad, runtime=rt)
+    w = torch.randn(K, N, device="cuda").to(torch.bfloat16)
+    xs = [torch.randn(ROWS, K, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    assert torch.equal(site(xs[0], w, layer=0), gpu_base(xs[0], w))  # the spot check fails: baseline served
+    assert _bundles_after_polls(rt, tmp_path / "b") == [] and rt.fallback  # the ring: fall back, and arm
+    # fallen back: the baseline is served; the armed site runs the candidate once more, only for the bundle
+    assert torch.equal(site(xs[1], w, layer=0), gpu_base(xs[1], w))
+    (bundle,) = _bundles_after_polls(rt, tmp_path / "b")
+    t = load_file(str(bundle / "tensors.safetensors"))
+    assert torch.equal(t["arg.0"], xs[1].cpu()) and torch.equal(t["out.candidate"], bad(xs[1], w).cpu())
+    assert json.loads((bundle / "meta.json").read_text())["sample"]["mode"] == "on"
+    assert torch.equal(site(xs[2], w, layer=0), gpu_base(xs[2], w))  # disarmed once saved: baseline only
+    assert rt.device().captures.taken == 1
+
+
 def test_gpu_candidate_exception_during_eager_call_is_a_sample() -> None:
     rt, sink = make_runtime("validate")
     site = ShadowSite("g", gpu_base, lambda *a: 1 / 0, runtime=rt)
