@@ -147,6 +147,15 @@ class Captures:
         snap = self._pending
         if snap is None:
             return
+        try:
+            self._advance(snap)
+        except Exception:
+            with self._lock:  # a snapshot that cannot be copied or saved is dropped, not retried forever
+                self._pending = None
+                self.dropped += 1
+            raise
+
+    def _advance(self, snap: _Snapshot) -> None:
         if snap.done is None:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=snap.outs["baseline"].device)
@@ -158,11 +167,9 @@ class Captures:
             return
         if not snap.done.query():
             return
-        try:
-            self._finish(snap)
-        finally:
-            with self._lock:
-                self._pending = None
+        self._finish(snap)
+        with self._lock:
+            self._pending = None
 
     @staticmethod
     def _tensors(snap: _Snapshot) -> dict[str, torch.Tensor]:
