@@ -139,10 +139,13 @@ def step(case: Any, fe: Any) -> list[Any]:
             zip(case.layers, case.q, case.k, strict=True)]
 
 
-def time_eager(fn: Any, iters: int) -> float:
+def time_eager(fn: Any, iters: int, warm: int = 1) -> float:
+    """Mean ms per call over ``iters`` calls after ``warm`` untimed ones (enough to reach a sampled step, so that
+    no Triton kernel compiles inside the timed loop)."""
     import torch
 
-    fn()
+    for _ in range(warm):
+        fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -210,7 +213,8 @@ def main() -> None:
                 else:
                     row["on_max_abs_vs_triton"] = max(float((a.float() - b.float()).abs().max())
                                                       for a, b in zip(outs, ref, strict=True))
-                row[f"{mode}_eager_ms"] = time_eager(lambda case=case, fe=fe: step(case, fe), iters)
+                row[f"{mode}_eager_ms"] = time_eager(lambda case=case, fe=fe: step(case, fe), iters,
+                                                     warm=max(1, args.sample) + 1)
                 # CUDA graph: capture the whole step, replay
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())

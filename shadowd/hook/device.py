@@ -78,7 +78,7 @@ from shadowd.hook.launch import (
     new_accumulator,
     pdl_supported,
 )
-from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
+from shadowd.hook.triton_control import control_kernel, pack_host_word, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:
     from shadowd.hook.runtime import HookRuntime
@@ -130,13 +130,10 @@ class DeviceState:
         self.use_timer = True
 
     def sync_host_control(self, rt: HookRuntime) -> None:
-        """Mirror the host state into the pinned words the control kernel reads (no CUDA call)."""
-        h = self._h
-        h[1] = rt.config.sampling.every_n()
-        h[2] = rt.config.spot_every
-        h[3] = int(rt.disabled)
-        h[4] = int(rt.fallback)
-        h[0] = rt.mode_code
+        """Mirror the host state into the pinned word the control kernel reads (no CUDA call): one aligned
+        8-byte store, so a call never sees half an update (layout: ``triton_control.HOST_WORD``)."""
+        self._h[0] = pack_host_word(rt.mode_code, rt.config.sampling.every_n(), rt.config.spot_every,
+                                    rt.disabled, rt.fallback)
 
     def slot(self, site: ShadowSite, layer: int) -> _Slot:
         key = (id(site), layer)

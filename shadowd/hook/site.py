@@ -16,8 +16,8 @@
 
 How the candidate is kept from modifying inputs: tensor arguments up to ``clone_max_bytes``
 (q, indices, masks) are passed to the candidate as clones, so it never sees the real tensors;
-larger ones (the KV cache) are shared, and their autograd version counter is compared before
-and after the candidate: a torch in-place write is detected, recorded as
+larger ones, and those the site names ``shared`` (the KV cache), are shared, and their autograd
+version counter is compared before and after the candidate: a torch in-place write is detected, recorded as
 ``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
 kernel are out of reach in-process; they are excluded before deployment by the kernel's
 sanitizer runs. The baseline always runs first, on the untouched inputs.
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +104,8 @@ class ShadowSite:
                  first_layer: int = 0, clone_max_bytes: int = 64 * 2**20,
                  refs: dict[str, str] | None = None,
                  baseline_gate: Callable[..., AbstractContextManager[Any]] | None = None,
-                 candidate_gate: CandidateGate | None = None, bundle_args: BundleArgs | None = None) -> None:
+                 candidate_gate: CandidateGate | None = None, bundle_args: BundleArgs | None = None,
+                 shared: Collection[int | str] = ()) -> None:
         self.name = name
         self.baseline = baseline
         #: on mode under a CUDA graph: ``baseline_gate(sstate, args, kwargs)`` is a context manager in
@@ -128,6 +129,9 @@ class ShadowSite:
         self.rt = runtime or get_runtime()
         self.first_layer = first_layer
         self.clone_max_bytes = clone_max_bytes
+        #: argument positions / keyword names never cloned for the candidate, whatever their size (watched
+        #: instead): a cache shared by design, which a clone per call would copy through memory and L2
+        self.shared = frozenset(shared)
         self.refs = refs or {}
         self.consecutive_errors = 0
         self.oracle_calls = 0
@@ -182,15 +186,16 @@ class ShadowSite:
         # ``private``: ids of tensors that are already the candidate's own copies (a candidate gate's)
         watched: list[tuple[torch.Tensor, int]] = []
 
-        def guard(x: Any) -> Any:
+        def guard(key: int | str, x: Any) -> Any:
             if not isinstance(x, torch.Tensor) or (private and id(x) in private):
                 return x
-            if x.numel() * x.element_size() <= self.clone_max_bytes:
+            if key not in self.shared and x.numel() * x.element_size() <= self.clone_max_bytes:
                 return x.detach().clone()
             watched.append((x, x._version))
             return x
 
-        return tuple(guard(a) for a in args), {k: guard(v) for k, v in kwargs.items()}, watched
+        return (tuple(guard(i, a) for i, a in enumerate(args)), {k: guard(k, v) for k, v in kwargs.items()},
+                watched)
 
     def _check(self, out_c: Any, out_b: Any) -> str | None:
         if not isinstance(out_c, torch.Tensor):

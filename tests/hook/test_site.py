@@ -107,6 +107,27 @@ def test_large_shared_input_modification_is_detected_and_disables() -> None:
     assert sink[0]["error"] == "input_modified" and rt.disabled
 
 
+def test_shared_argument_is_never_cloned_but_watched() -> None:
+    seen: list[torch.Tensor] = []
+
+    def reader(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        seen.extend([x, w])
+        return cand_fn(x, w)
+
+    def scribbler(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w.add_(0)
+        return cand_fn(x, w)
+
+    x, w = inputs()
+    rt, sink = make_runtime("validate")
+    ShadowSite("s", base_fn, reader, runtime=rt, shared=(1,))(x, w, layer=0)
+    assert seen[1] is w and seen[0] is not x  # w small, but shared by name: no copy per call; x cloned
+    assert sink[0]["error"] is None
+    rt, sink = make_runtime("validate")
+    ShadowSite("s", base_fn, scribbler, runtime=rt, shared=(1,))(x, w, layer=0)
+    assert sink[0]["error"] == "input_modified" and rt.disabled  # and still watched
+
+
 def test_sampling_every_nth_step_all_layers_of_a_step() -> None:
     rt, sink = make_runtime("validate", sampling=Sampling(3))
     site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
