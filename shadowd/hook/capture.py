@@ -83,6 +83,7 @@ class Captures:
         self._lock = threading.Lock()
         self._armed: dict[int, int] = {}  # call-site key -> snapshots left
         self._pending: _Snapshot | None = None
+        self._reserved = False
         self._stream: Any = None
         self.taken = 0
         self.saved = 0
@@ -95,18 +96,17 @@ class Captures:
 
     def wants(self, key: int) -> bool:
         """Whether the current call at ``key`` should be snapshotted (serving thread: a dict lookup)."""
-        return key in self._armed and self._pending is None
+        return key in self._armed and self._pending is None and not self._reserved
 
     def snapshot(self, site: ShadowSite, key: int, layer: int, bucket: Bucket, mode: str, args: tuple[Any, ...],
                  kwargs: dict[str, Any], out_b: torch.Tensor, out_c: Any, reason: str | None) -> bool:
         """Device copies of the call's (compacted) inputs and outputs, on the serving stream; no synchronisation.
         False when one is already in flight or the byte bound stops it."""
-        cfg = site.rt.config
         writer = site._bundles
         if writer is not None and writer.count >= writer.max_count:
             return False  # the site's bundles are all written: no more device copies
         with self._lock:
-            if self._pending is not None:
+            if self._pending is not None or self._reserved:
                 return False
             if reason is None:  # an armed site: count the try
                 left = self._armed.get(key, 0) - 1
@@ -116,16 +116,33 @@ class Captures:
                     self._armed.pop(key, None)
                 else:
                     self._armed[key] = left
+            self._reserved = True  # the one slot is this call's until its snapshot is in place (or dropped)
+        try:
+            snap = self._take(site, key, layer, bucket, mode, args, kwargs, out_b, out_c, reason)
+        except BaseException:
+            with self._lock:
+                self._reserved = False
+            raise
+        with self._lock:
+            self._reserved = False
+            if snap is None:  # over the byte bound
+                self.dropped += 1
+                return False
+            self._pending = snap
+            self.taken += 1
+        return True
+
+    def _take(self, site: ShadowSite, key: int, layer: int, bucket: Bucket, mode: str, args: tuple[Any, ...],
+              kwargs: dict[str, Any], out_b: torch.Tensor, out_c: Any, reason: str | None) -> _Snapshot | None:
+        cfg = site.rt.config
         if site.bundle_args is not None:
             packed = site.bundle_args(args, kwargs, cfg.bundle_max_bytes)
             if packed is None:
-                self.dropped += 1
-                return False
+                return None
             sargs, skw, refs = packed  # private copies already (the site's contract)
         else:
             if _nbytes(list(args) + list(kwargs.values())) > cfg.bundle_max_bytes:
-                self.dropped += 1
-                return False
+                return None
             sargs = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
             skw = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             refs = dict(site.refs)
@@ -135,11 +152,7 @@ class Captures:
         row = out_b[0].numel() if out_b.dim() and out_b.shape[0] else 1
         ready = torch.cuda.Event()
         ready.record()
-        snap = _Snapshot(site, key, layer, bucket, mode, reason, sargs, skw, refs, outs, valid, row, ready)
-        with self._lock:
-            self._pending = snap
-            self.taken += 1
-        return True
+        return _Snapshot(site, key, layer, bucket, mode, reason, sargs, skw, refs, outs, valid, row, ready)
 
     def service(self) -> None:
         """Streamer's thread: start the host copies of the snapshot in flight, or finish it once they landed

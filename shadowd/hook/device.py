@@ -104,9 +104,8 @@ class _Slot:
         self.heads = 1
 
 
-
 class DeviceState:
-    """Process-wide device state: host control words, device counters, the pinned record ring."""
+    """Process-wide device state: the host control word, device counters, the pinned record ring."""
 
     def __init__(self, rt: HookRuntime) -> None:
         self.rt = rt
