@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Any
+
 import pytest
 
-pytest.importorskip("triton")
+# imported inside the tests, not at collection: Triton must not define kernels before tests/sglang's conftest
+# has chosen its interpreter
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
-from shadowd.hook.triton_control import HOST_WORD, pack_host_word
+
+def _control() -> Any:
+    from shadowd.hook import triton_control
+
+    return triton_control
 
 
 def _field(word: int, name: str) -> int:
-    shift, bits = HOST_WORD[name]
+    shift, bits = _control().HOST_WORD[name]
     return (word >> shift) & ((1 << bits) - 1)
 
 
 def test_fields_round_trip_and_fit_a_signed_int64() -> None:
-    w = pack_host_word(2, 7, 100, disabled=False, fallback=True)
+    pack = _control().pack_host_word
+    w = pack(2, 7, 100, disabled=False, fallback=True)
     assert [_field(w, k) for k in ("mode", "disabled", "fallback", "sample_n", "spot_n")] == [2, 0, 1, 7, 100]
-    huge = pack_host_word(1, 2**62, 2**62, disabled=True, fallback=True)  # "never": clamped to the fields
+    huge = pack(1, 2**62, 2**62, disabled=True, fallback=True)  # "never": clamped to the fields
     assert huge < 2**63 and _field(huge, "sample_n") == 2**30 - 1 and _field(huge, "spot_n") == 2**29 - 1
-    assert _field(pack_host_word(1, 0, 0, disabled=False, fallback=False), "sample_n") == 1  # at least 1
+    assert _field(pack(1, 0, 0, disabled=False, fallback=False), "sample_n") == 1  # at least 1
 
 
 def test_bad_mode_names_the_field() -> None:
     with pytest.raises(ValueError, match="mode"):
-        pack_host_word(3, 1, 1, disabled=False, fallback=False)
+        _control().pack_host_word(3, 1, 1, disabled=False, fallback=False)
