@@ -233,19 +233,18 @@ def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, A
     return True
 
 
-def _capture_after_fallback(site: ShadowSite, ds: DeviceState, args: tuple[Any, ...], kwargs: dict[str, Any],
-                            layer: int, b: Bucket) -> Any:
+def _capture_after_fallback(site: ShadowSite, ds: DeviceState, key: int, args: tuple[Any, ...],
+                            kwargs: dict[str, Any], layer: int, b: Bucket) -> Any:
     """On mode after a fall-back, at a call site that the failure armed (eager): the failing call's inputs were
     gone when the ring showed its failure, so the candidate runs once more beside the baseline, on protected
     inputs, only to be snapshotted for a bundle; the baseline's result is returned. (A *disabled* candidate —
     repeated errors, a modified input — never runs again.)"""
     out_b = site.baseline(*args, **kwargs)
-    cargs, ckwargs, _watched = site._protect(args, kwargs)
+    cargs, ckwargs, watched = site._protect(args, kwargs)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
-    if err is None:
-        err = site._check(out_c, out_b)
-    site._isolated("bundle", ds.captures.snapshot, site, ds.slot(site, layer).site_id, layer, b, "on", args, kwargs,
-                   out_b, out_c if err is None else None, err)
+    err = site._candidate_error(err, out_c, out_b, watched)
+    site._isolated("bundle", ds.captures.snapshot, site, key, layer, b, "on", args, kwargs, out_b,
+                   out_c if err is None else None, err)
     return out_b
 
 
@@ -257,9 +256,10 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     code = rt.mode_code
     blocked = rt.disabled or rt.fallback
     if blocked:
-        if (rt.fallback and not rt.disabled and not capturing and rt.config.bundle_dir is not None
-                and ds.captures.wants(ds.slot(site, layer).site_id)):
-            return _capture_after_fallback(site, ds, args, kwargs, layer, b)
+        if rt.fallback and not rt.disabled and not capturing and rt.config.bundle_dir is not None:
+            key = ds.slot(site, layer).site_id
+            if ds.captures.wants(key):
+                return _capture_after_fallback(site, ds, key, args, kwargs, layer, b)
         return site.baseline(*args, **kwargs)
     host_decides, do_stats, use_cand = 1, 1, 0
     if not capturing:
@@ -302,11 +302,7 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
         cargs, ckwargs, watched = site._protect(args, kwargs)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
     stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer)
-    if err is None and any(t._version != v for t, v in watched):
-        err = "input_modified"
-        rt.disable("candidate modified its inputs")
-    if err is None:
-        err = site._check(out_c, out_b)
+    err = site._candidate_error(err, out_c, out_b, watched)
     if err is not None:
         site.consecutive_errors += 1
         if site.consecutive_errors >= cfg.disable_after or capturing:

@@ -197,6 +197,15 @@ class ShadowSite:
         return (tuple(guard(i, a) for i, a in enumerate(args)), {k: guard(k, v) for k, v in kwargs.items()},
                 watched)
 
+    def _candidate_error(self, err: str | None, out_c: Any, out_b: Any,
+                         watched: list[tuple[torch.Tensor, int]]) -> str | None:
+        """What is wrong with a candidate run that returned ``out_c`` (``err``: what it raised): the exception,
+        a modified input (the candidate is disabled at once), or a wrong type, shape or dtype."""
+        if err is None and any(t._version != v for t, v in watched):
+            err = "input_modified"
+            self.rt.disable("candidate modified its inputs")
+        return err if err is not None else self._check(out_c, out_b)
+
     def _check(self, out_c: Any, out_b: Any) -> str | None:
         if not isinstance(out_c, torch.Tensor):
             return "type"
@@ -215,11 +224,7 @@ class ShadowSite:
         t2 = time.perf_counter_ns()
         out_c, err = self._isolated("candidate", self.candidate, *cargs, **ckwargs)
         t3 = time.perf_counter_ns()
-        if err is None and any(t._version != v for t, v in watched):
-            err = "input_modified"
-            rt.disable("candidate modified its inputs")
-        if err is None:
-            err = self._check(out_c, out_b)
+        err = self._candidate_error(err, out_c, out_b, watched)
         valid = b.valid_rows if isinstance(b.valid_rows, int) else None
         row = out_b[0].numel() if out_b.dim() and out_b.shape[0] else 1
         valid_numel = None if valid is None else valid * row

@@ -26,6 +26,8 @@ __all__ = ["HOST_WORD", "control_kernel", "gate_kernel", "pack_host_word", "sele
 #: steps, i.e. never in practice)
 HOST_WORD = {"mode": (0, 2), "disabled": (2, 1), "fallback": (3, 1), "sample_n": (4, 30), "spot_n": (34, 29)}
 _SAMPLE_MAX, _SPOT_MAX = 2**30 - 1, 2**29 - 1
+# kernels may only read constexpr globals
+_SAMPLE_MAX_C, _SPOT_MAX_C = tl.constexpr(_SAMPLE_MAX), tl.constexpr(_SPOT_MAX)
 
 
 def pack_host_word(mode: int, sample_n: int, spot_n: int, disabled: bool, fallback: bool) -> int:
@@ -47,8 +49,8 @@ def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, ma
     mode = w & 3
     disabled = ((w >> 2) & 1) != 0
     fallback = (((w >> 3) & 1) != 0) | (tl.load(dstate_ptr + 3) != 0)
-    sample_n = tl.maximum((w >> 4) & 1073741823, 1)
-    spot_n = tl.maximum((w >> 34) & 536870911, 1)
+    sample_n = tl.maximum((w >> 4) & _SAMPLE_MAX_C, 1)
+    spot_n = tl.maximum((w >> 34) & _SPOT_MAX_C, 1)
     step = tl.load(dstate_ptr) + first_layer
     if host_decides != 0:  # eager: the host's step counter is the truth (replays continue from it)
         step = host_step.to(tl.int64)

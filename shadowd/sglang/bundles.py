@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shadowd.sglang.candidate import D_QK, D_V, candidate_fn
+from shadowd.sglang.candidate import D_QK, D_V, candidate_fn, oracle_fp32
 
 __all__ = ["REFS", "bundle_args", "replay_baseline", "replay_candidate", "replay_oracle"]
 
@@ -82,9 +82,6 @@ def replay_oracle(q: torch.Tensor, k: torch.Tensor, kv_rows: torch.Tensor, qo_in
                   kv_indptr: torch.Tensor, kv_indices: torch.Tensor, custom_mask: torch.Tensor | None,
                   mask_indptr: torch.Tensor | None, *, sm_scale: float, max_q_len: int) -> torch.Tensor:
     """``mla_tree_verify.oracle`` in float32 on a bundle."""
-    from mla_tree_verify import oracle
-
     del max_q_len
-    out: torch.Tensor = oracle.attention(q, k, kv_rows, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-                                         sm_scale, dtype=torch.float32)
-    return out.reshape(q.shape[0], -1)
+    return oracle_fp32(q, k, kv_rows, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
+                       sm_scale).reshape(q.shape[0], -1)

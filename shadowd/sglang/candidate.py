@@ -40,6 +40,7 @@ import torch
 
 __all__ = [
     "CANDIDATE_ENV",
+    "KV_BUFFER_ARG",
     "VerifyCall",
     "baseline",
     "baseline_fingerprint",
@@ -49,6 +50,7 @@ __all__ = [
     "candidate_fn",
     "candidate_gate",
     "oracle",
+    "oracle_fp32",
 ]
 
 CANDIDATE_ENV = "SHADOWD_CANDIDATE"
@@ -90,8 +92,8 @@ def baseline_gate(sstate: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str,
         md.qo_indptr, md.kv_indptr = qo, kv
 
 
-#: positions of qo_indptr and kv_indptr in the site's argument tuple (see the module docstring)
-_QO, _KV = 5, 6
+#: positions of the latent cache, qo_indptr and kv_indptr in the site's argument tuple (see the module docstring)
+KV_BUFFER_ARG, _QO, _KV = 4, 5, 6
 
 
 def candidate_gate(sstate: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -105,14 +107,20 @@ def candidate_gate(sstate: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str
     return tuple(gated), kwargs
 
 
-def _oracle_fp32(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor, qo_indptr: torch.Tensor,
-                 kv_indptr: torch.Tensor, kv_indices: torch.Tensor, custom_mask: torch.Tensor | None,
-                 mask_indptr: torch.Tensor | None, sm_scale: float, **_: Any) -> torch.Tensor:
-    from mla_tree_verify import oracle
+def oracle_fp32(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor, qo_indptr: torch.Tensor,
+                kv_indptr: torch.Tensor, kv_indices: torch.Tensor, custom_mask: torch.Tensor | None,
+                mask_indptr: torch.Tensor | None, sm_scale: float, **_: Any) -> torch.Tensor:
+    """``mla_tree_verify.oracle`` in float32 with ``tree_verify``'s arguments: ``[T, H, 512]`` float32."""
+    from mla_tree_verify import oracle as mtv_oracle
 
-    out: torch.Tensor = oracle.attention(q, k, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
-                                         mask_indptr, sm_scale, dtype=torch.float32)
-    return out.to(q.dtype)
+    out: torch.Tensor = mtv_oracle.attention(q, k, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
+                                             mask_indptr, sm_scale, dtype=torch.float32)
+    return out
+
+
+def _oracle_fp32(*args: Any, **kwargs: Any) -> torch.Tensor:
+    # the CPU stand-in candidate: the oracle, in q's dtype
+    return oracle_fp32(*args, **kwargs).to(args[0].dtype)
 
 
 _RESOLVED: dict[str, Callable[..., torch.Tensor]] = {}
@@ -147,14 +155,10 @@ def oracle(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
            custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None) -> torch.Tensor:
     """The fp32 reference over the same inputs: ``[T, H*512]`` float32 (see the module docstring)."""
-    from mla_tree_verify import oracle as mtv_oracle
-
     del v
     t = q.shape[0]
-    out: torch.Tensor = mtv_oracle.attention(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr,
-                                             kv_indptr, kv_indices, custom_mask,
-                                             mask_indptr if custom_mask is not None else None, call.scaling,
-                                             dtype=torch.float32)
+    out = oracle_fp32(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
+                      custom_mask, mask_indptr if custom_mask is not None else None, call.scaling)
     return out.reshape(t, call.heads * D_V)
 
 

@@ -31,6 +31,7 @@ from shadowd.sglang.bundles import bundle_args
 from shadowd.sglang.candidate import (
     D_QK,
     D_V,
+    KV_BUFFER_ARG,
     VerifyCall,
     baseline,
     baseline_gate,
@@ -44,9 +45,6 @@ __all__ = ["SITE_NAME", "TARGET", "VerifyShadow", "ineligible"]
 log = logging.getLogger("shadowd.sglang")
 
 TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
-#: the site's argument that is the layer's latent cache: shared with the candidate and watched, never cloned,
-#: whatever its size (a clone of a 9.4 MB pool per call cost the baseline 4 % on the H200 through L2; session 11)
-_KV_BUFFER = 4
 SITE_NAME = "sglang.mla_tree_verify"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -103,7 +101,9 @@ class VerifyShadow:
             self.site = ShadowSite(SITE_NAME, baseline, candidate, oracle=oracle,
                                    runtime=self._runtime or get_runtime(), first_layer=first,
                                    baseline_gate=baseline_gate, candidate_gate=candidate_gate, bundle_args=bundle_args,
-                                   shared=(_KV_BUFFER,),
+                                   # the latent cache: shared with the candidate and watched, never cloned,
+                                   # whatever its size (a small pool's clone per call slowed SGLang's kernel 4 %)
+                                   shared=(KV_BUFFER_ARG,),
                                    refs={"baseline": "shadowd.sglang.candidate:baseline",
                                          "candidate": "shadowd.sglang.candidate:candidate",
                                          "oracle": "shadowd.sglang.candidate:oracle"})
