@@ -9,8 +9,8 @@ Measures, with CUDA events (median of repeats):
   a graph holding CALLS_PER_GRAPH calls (as a serving graph holds one per layer), replayed back to back,
   time / calls; the time of a one-call graph per replay (graph launch included) is printed beside it;
 * a naive several-op torch diff pass on 256×64×512 for comparison;
-* hook overhead per call: off and validate (eager, host time) and validate under a graph (device time,
-  graph of baseline+candidate alone vs the whole shadowed call).
+* hook overhead per call: off and validate (eager, host time) and validate and on under a graph (device
+  time, graph of baseline+candidate alone vs the whole shadowed call); ``--overhead-only`` measures just these.
 Writes JSON (``--out``) and prints a markdown block; ``--results`` appends it to a results file.
 ``--latency-only`` measures just the per-call rows at the default tiles (with each kernel's registers and
 spills); with ``--shadowd-from DIR`` (a tree holding another revision's ``shadowd/``, e.g. from
@@ -128,6 +128,8 @@ def main() -> int:
     ap.add_argument("--no-variants", action="store_true", help="skip the 2 × 64 MiB tile/histogram sweep")
     ap.add_argument("--latency-only", action="store_true",
                     help="only the per-call rows under a graph, at the default tiles")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only the hook's overhead per call (host time, and device time under a graph)")
     ap.add_argument("--shadowd-from", metavar="DIR", default=None,
                     help="import shadowd from DIR (another revision's tree) instead of this repo")
     args = ap.parse_args()
@@ -150,6 +152,16 @@ def main() -> int:
     del big, dst
     if args.shadowd_from:
         res["commit"] += f" (shadowd from {args.shadowd_from})"
+    if not args.overhead_only:
+        stats_benchmarks(res, args, dev, copy_bw)
+        if args.latency_only:
+            return _emit(res, args)
+    hook_overhead(res, dev)
+    return _emit(res, args)
+
+
+def stats_benchmarks(res: dict, args: argparse.Namespace, dev: torch.device, copy_bw: float) -> None:
+    """The fused pass: bandwidth on large outputs, tile variants, per call under a graph on small ones."""
     st = Stats()
     res["fused"] = []
     res["variants"] = []
@@ -208,20 +220,29 @@ def main() -> int:
                                    "spills": getattr(k, "n_spills", None),
                                    "us_per_tile": per_tile, "us_per_launch_option": per_launch})
     if args.latency_only:
-        return _emit(res, args)
+        return
     b = torch.randn(256, 64, 512, device=dev, dtype=torch.bfloat16)
     c = b + (1e-2 * torch.randn(256, 64, 512, device=dev)).to(torch.bfloat16)
     res["naive_torch_us_256x64x512"] = cuda_time(lambda: raw_stats_torch(c, b)) * 1e6
 
-    # hook overhead per call
+
+def hook_overhead(res: dict, dev: torch.device) -> None:
+    """The hook's own cost per call: host time (off, eager validate) and device time under a graph (validate, its
+    kill switch, on mode), around a small matmul baseline and candidate with the argument kinds of a verify site
+    (bf16 activations and weights, int32 indices, an odd-length bool mask, int64 pointers: the candidate gets
+    private copies of all five)."""
     x = torch.randn(64, 128, device=dev).to(torch.bfloat16)
     w = torch.randn(128, 256, device=dev).to(torch.bfloat16)
+    idx = torch.randint(0, 1 << 20, (4096,), dtype=torch.int32, device=dev)
+    mask = torch.rand(37, device=dev) < 0.5
+    ptr = torch.arange(9, dtype=torch.int64, device=dev)
+    args = (x, w, idx, mask, ptr)
     out0 = torch.empty(64, 256, device=dev, dtype=torch.bfloat16)
 
-    def base(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def base(x: torch.Tensor, w: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, w, out=out0)
 
-    def cand(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def cand(x: torch.Tensor, w: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, w)
 
     def host_us(fn, n: int = 20000) -> float:
@@ -242,20 +263,25 @@ def main() -> int:
     meta = torch.tensor([2, 16, 1000], dtype=torch.int64, device=dev)
     bucket = Bucket(batch_size=2, draft_tokens=16, prefix_len=1000, heads=8, valid_rows=valid, meta=meta)
     res["host_us_per_call"] = {
-        "baseline_direct": host_us(lambda: base(x, w)),
-        "off": host_us(lambda: off(x, w, layer=0)),
-        "validate_eager_sampled": host_us(lambda: vsite(x, w, layer=0, bucket=bucket), 5000),
+        "baseline_direct": host_us(lambda: base(*args)),
+        "off": host_us(lambda: off(*args, layer=0)),
+        "validate_eager_sampled": host_us(lambda: vsite(*args, layer=0, bucket=bucket), 5000),
     }
     val.device().poll()
-    gv = make_graph(lambda: vsite(x, w, layer=0, bucket=bucket))
+    gv = make_graph(lambda: vsite(*args, layer=0, bucket=bucket))
     res["graph_us_per_call"] = {
-        "baseline+candidate": graph_time(lambda: (base(x, w), cand(x, w))) * 1e6,
+        "baseline+candidate": graph_time(lambda: (base(*args), cand(*args))) * 1e6,
         "validate_shadowed": replay_time(gv) * 1e6,
     }
     val.device().poll()
     val.set_override("off")  # the same graph, statistics switched off by the kill switch
+    torch.cuda.synchronize()  # (the control word reaches the device on a stream of its own)
     res["graph_us_per_call"]["validate_graph_kill_switch_off"] = replay_time(gv) * 1e6
-    return _emit(res, args)
+    on = HookRuntime(HookConfig(mode="on", spot_every=100), sink=lambda s: None)
+    osite = ShadowSite("b", base, cand, runtime=on)
+    go = make_graph(lambda: osite(*args, layer=0, bucket=bucket))
+    res["graph_us_per_call"]["on_shadowed"] = replay_time(go) * 1e6
+    on.device().poll()
 
 
 def _emit(res: dict, args: argparse.Namespace) -> int:
@@ -272,14 +298,14 @@ def _emit(res: dict, args: argparse.Namespace) -> int:
 def render(r: dict) -> str:
     lines = [f"## bench/diffstats.py — {r['date']} — {r['gpu']} — commit {r['commit']} — torch {r['torch']}, "
              f"triton {r['triton']}", "", f"- copy bandwidth (1 GiB D2D, read+write): {r['copy_bw_GBps']:.0f} GB/s"]
-    for f in r["fused"]:
+    for f in r.get("fused", []):
         lines.append(f"- fused diff pass, 2 × {f['MiB_per_output']} MiB bf16: {f['us']:.1f} µs, "
                      f"{f['GBps']:.0f} GB/s = {100 * f['frac_of_copy']:.0f} % of copy (goal ≥ 70 %)")
     for v in r.get("variants", []):
         hist = HIST_NAMES[v["hist_mode"] if v["hist"] else 0]
         lines.append(f"  - variant tile {tuple(v['tile'])} histogram {hist}: {v['us']:.1f} µs = "
                      f"{100 * v['frac_of_copy']:.0f} % of copy ({v.get('regs')} registers, {v.get('spills')} spills)")
-    for g in r["graph_small"]:
+    for g in r.get("graph_small", []):
         lines.append(f"- under a graph, output {tuple(g['shape'])} bf16: {g['us']:.2f} µs per call of "
                      f"{CALLS_PER_GRAPH} in one graph (goal ≤ {g['goal_us']:.2f} µs: "
                      f"{'met' if g['meets_goal'] else 'NOT met'}); one-call graph {g['one_call_graph_us']:.2f} µs "
@@ -294,7 +320,8 @@ def render(r: dict) -> str:
                 for k, v in g["us_per_launch_option"].items()))
     if "host_us_per_call" not in r:  # --latency-only
         return "\n".join(lines) + "\n"
-    lines.append(f"- naive torch diff pass (several ops) on 256×64×512: {r['naive_torch_us_256x64x512']:.0f} µs")
+    if "naive_torch_us_256x64x512" in r:
+        lines.append(f"- naive torch diff pass (several ops) on 256×64×512: {r['naive_torch_us_256x64x512']:.0f} µs")
     h = r["host_us_per_call"]
     lines.append(f"- host time per call: baseline alone {h['baseline_direct']:.2f} µs, off {h['off']:.2f} µs "
                  f"(overhead {h['off'] - h['baseline_direct']:.2f} µs), validate sampled eager "
@@ -303,7 +330,8 @@ def render(r: dict) -> str:
     lines.append(f"- device time per call under a graph: baseline+candidate {g['baseline+candidate']:.2f} µs, "
                  f"shadowed validate {g['validate_shadowed']:.2f} µs (overhead "
                  f"{g['validate_shadowed'] - g['baseline+candidate']:.2f} µs), kill switch off "
-                 f"{g['validate_graph_kill_switch_off']:.2f} µs")
+                 f"{g['validate_graph_kill_switch_off']:.2f} µs, on mode (spot check 1 in 100) "
+                 f"{g['on_shadowed']:.2f} µs (overhead {g['on_shadowed'] - g['baseline+candidate']:.2f} µs)")
     return "\n".join(lines) + "\n"
 
 

@@ -4,9 +4,9 @@ statistics, and capturable in a CUDA graph (then no Python runs on replay).
 Per call, on the current stream::
 
     control kernel   reads the mode / sampling / spot-check / disabled / fallback state
-                     (pinned host words written by Python at any time, plus device words),
-                     advances the device step and call counters, decides do_stats and
-                     use_cand for this call, stamps t0 (globaltimer)
+                     (the host's control word: an argument eagerly, its device mirror under a
+                     graph, plus device words), advances the device step and call counters,
+                     decides do_stats and use_cand for this call, stamps t0 (globaltimer)
     baseline(...)
     stamp kernel     t1
     candidate(...)   on protected inputs (clones of small tensors)
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,7 @@ from shadowd.hook.launch import (
     new_accumulator,
     pdl_supported,
 )
-from shadowd.hook.triton_control import control_kernel, pack_host_word, select_kernel, stamp_kernel
+from shadowd.hook.triton_control import control_kernel, mirror_kernel, pack_host_word, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:
     from shadowd.hook.runtime import HookRuntime
@@ -105,12 +106,26 @@ class _Slot:
 
 
 class DeviceState:
-    """Process-wide device state: the host control word, device counters, the pinned record ring."""
+    """Process-wide device state: the control word (host and device mirror), device counters, the pinned
+    record ring.
+
+    The control word (``triton_control.HOST_WORD``: mode, sampling, spot checks, disabled, fallback) is what
+    captured graphs obey. The host packs it into pinned memory and launches :func:`mirror_kernel` on a stream of
+    its own, which copies it into device memory, where the control kernels of replays read it: a change reaches
+    every call that starts after that 8-byte copy has run (microseconds later), and no call waits for host
+    memory. A change made on a capturing thread, or whose launch failed, is pushed again by the next
+    :meth:`poll` or eager call (``control_dirty``)."""
 
     def __init__(self, rt: HookRuntime) -> None:
         self.rt = rt
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.hctrl = torch.zeros(8, dtype=torch.int64).pin_memory()
+        self.dctrl = torch.zeros(1, dtype=torch.int64, device=self.device)
+        #: the packed control word as last written (eager calls pass it to the control kernel)
+        self.word = 0
+        self.control_dirty = self._push_failing = False
+        self._ctrl_lock = threading.Lock()
+        self._ctrl_stream = torch.cuda.Stream(self.device)
         self.dstate = torch.zeros(8, dtype=torch.int64, device=self.device)
         size = rt.config.ring_size
         self.ring = torch.zeros(size, REC, dtype=torch.float64).pin_memory()
@@ -129,10 +144,44 @@ class DeviceState:
         self.use_timer = True
 
     def sync_host_control(self, rt: HookRuntime) -> None:
-        """Mirror the host state into the pinned word the control kernel reads (no CUDA call): one aligned
-        8-byte store, so a call never sees half an update (layout: ``triton_control.HOST_WORD``)."""
-        self._h[0] = pack_host_word(rt.mode_code, rt.config.sampling.every_n(), rt.config.spot_every,
-                                    rt.disabled, rt.fallback)
+        """Write the host state into the control word (layout: ``triton_control.HOST_WORD``) and push it to the
+        device mirror that captured graphs read (:meth:`push_control`)."""
+        word = pack_host_word(rt.mode_code, rt.config.sampling.every_n(), rt.config.spot_every, rt.disabled,
+                              rt.fallback)
+        with self._ctrl_lock:
+            self._h[0] = word  # one aligned 8-byte store: the mirror kernel never reads half an update
+            self.word = word
+            self.control_dirty = True
+        self.push_control()
+
+    def push_control(self) -> bool:
+        """Copy the pinned control word into its device mirror on the control stream (no wait: the copy runs
+        microseconds later and reads the word as it is then). Not from a thread that is capturing a graph, nor
+        after a failed launch: the word stays ``control_dirty`` and the next :meth:`poll` or eager call pushes
+        it. True when the copy was launched."""
+        if self._capturing():
+            return False
+        with self._ctrl_lock:
+            try:
+                with torch.cuda.stream(self._ctrl_stream):  # (also makes the stream's device current)
+                    mirror_kernel[(1,)](self.hctrl, self.dctrl, num_warps=1)
+            except Exception as e:  # stays dirty: pushed again later (reported once per failing streak)
+                if not self._push_failing:
+                    log.warning("shadowd: could not push the control word to the device (will retry): %r", e)
+                self._push_failing = True
+                return False
+            self.control_dirty = self._push_failing = False
+            return True
+
+    @staticmethod
+    def _capturing() -> bool:
+        # this thread is capturing a graph: a launch on another stream would not be part of it
+        return bool(torch.cuda.is_current_stream_capturing())
+
+    def settle_control(self) -> None:
+        """Wait until the pushed control word is in device memory (tests and benches: the next replay then sees
+        it; serving never waits for it)."""
+        self._ctrl_stream.synchronize()
 
     def slot(self, site: ShadowSite, layer: int) -> _Slot:
         key = (id(site), layer)
@@ -147,6 +196,8 @@ class DeviceState:
         """Drain published ring slots into samples (the streamer's thread calls this)."""
         out: list[dict[str, Any]] = []
         size = len(self._seq)
+        if self.control_dirty:
+            self.push_control()
         if self.rt.config.bundle_dir is not None:
             try:
                 self.captures.service()
@@ -275,13 +326,15 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
             return site.baseline(*args, **kwargs)
     else:
         host_decides = 0
+    if ds.control_dirty:  # a change made while this thread was capturing (or a failed push)
+        ds.push_control()
     slot = ds.slot(site, layer)
     slot.heads = max(1, b.heads)
     # on mode captured with a baseline gate: the baseline works only on spot-check / fallback replays
     gated = capturing and code == 2 and site.baseline_gate is not None
     meta = b.meta
     cfg = rt.config
-    control_kernel[(1,)](ds.hctrl, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
+    control_kernel[(1,)](ds.dctrl, ds.word, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
                          int(layer == site.first_layer), min(cfg.max_draft_tokens, 2**62),
                          min(cfg.max_prefix_len, 2**62), host_decides, do_stats, use_cand, rt.step,
                          b.batch_size, b.draft_tokens, b.prefix_len,
@@ -297,9 +350,9 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
         gargs, gkwargs = site.candidate_gate(slot.sstate, args, kwargs)
         # the gate's outputs are already private copies: they are not cloned a second time
         fresh = {id(x) for x in (*gargs, *gkwargs.values())} - {id(x) for x in (*args, *kwargs.values())}
-        cargs, ckwargs, watched = site._protect(gargs, gkwargs, fresh)
+        cargs, ckwargs, watched = site._protect(gargs, gkwargs, fresh, batch=True)
     else:
-        cargs, ckwargs, watched = site._protect(args, kwargs)
+        cargs, ckwargs, watched = site._protect(args, kwargs, batch=capturing)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
     stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer)
     err = site._candidate_error(err, out_c, out_b, watched)

@@ -15,7 +15,8 @@
   baseline (and shadowed as in validate, to gather coverage).
 
 How the candidate is kept from modifying inputs: tensor arguments up to ``clone_max_bytes``
-(q, indices, masks) are passed to the candidate as clones, so it never sees the real tensors;
+(q, indices, masks) are passed to the candidate as clones (under graph capture the small ones are
+copied together, one graph node: :func:`clone_many`), so it never sees the real tensors;
 larger ones, and those the site names ``shared`` (the KV cache), are shared, and their autograd
 version counter is compared before and after the candidate: a torch in-place write is detected, recorded as
 ``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
@@ -42,7 +43,8 @@ import torch
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "BundleArgs", "CandidateGate", "ShadowSite", "max_abs_chunked"]
+__all__ = ["BATCH_CLONE_MAX_BYTES", "Bucket", "BundleArgs", "CandidateGate", "ShadowSite", "clone_many",
+           "max_abs_chunked"]
 
 log = logging.getLogger("shadowd.hook")
 
@@ -51,6 +53,36 @@ CandidateGate = Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], tuple[
 #: ``bundle_args(args, kwargs, max_bytes) -> (args, kwargs, refs) | None``, see :class:`ShadowSite`
 BundleArgs = Callable[[tuple[Any, ...], dict[str, Any], int],
                       "tuple[tuple[Any, ...], dict[str, Any], dict[str, str]] | None"]
+
+
+#: inputs up to this size are copied together by :func:`clone_many` (``torch._foreach_copy_`` gives each 256 KB
+#: chunk of a tensor to one thread block, so a large tensor copies faster in a launch of its own)
+BATCH_CLONE_MAX_BYTES = 1 << 16
+
+
+def clone_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Private copies of ``xs``, each like ``x.detach().clone()``. On CUDA the small dense ones (up to
+    :data:`BATCH_CLONE_MAX_BYTES`) whose bytes are whole 4-byte words are copied by one ``torch._foreach_copy_``
+    over int32 views: one launch (one graph node) where a clone each cost a launch per tensor; the others (a
+    large q, a strided view, an odd-length byte mask) are cloned one by one."""
+    out = [x.detach() for x in xs]
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
+    for i, x in enumerate(out):
+        nbytes = x.numel() * x.element_size()
+        if (x.is_cuda and 0 < nbytes <= BATCH_CLONE_MAX_BYTES and nbytes % 4 == 0 and x.is_contiguous()
+                and x.storage_offset() * x.element_size() % 4 == 0):
+            y = torch.empty_like(x)
+            srcs.append(x.view(-1).view(torch.int32))
+            dsts.append(y.view(-1).view(torch.int32))
+            out[i] = y
+        else:
+            out[i] = x.clone()
+    if len(srcs) > 1:
+        torch._foreach_copy_(dsts, srcs)
+    elif srcs:
+        dsts[0].copy_(srcs[0])
+    return out
 
 
 @dataclass
@@ -181,20 +213,25 @@ class ShadowSite:
             return self.baseline(*args, **kwargs)
         return self._shadow(args, kwargs, layer, b, "validate")
 
-    def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any], private: set[int] | None = None
-                 ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[torch.Tensor, int]]]:
-        # ``private``: ids of tensors that are already the candidate's own copies (a candidate gate's)
+    def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any], private: set[int] | None = None,
+                 batch: bool = False) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[torch.Tensor, int]]]:
+        # ``private``: ids of tensors that are already the candidate's own copies (a candidate gate's);
+        # ``batch``: copy them with clone_many — under graph capture, where launches cost replay time; eagerly the
+        # host's time is what a call waits for, and a clone each costs it less than clone_many's views
         watched: list[tuple[torch.Tensor, int]] = []
-
-        def guard(key: int | str, x: Any) -> Any:
+        cloned: list[tuple[int | str, torch.Tensor]] = []
+        items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+        for key, x in items:
             if not isinstance(x, torch.Tensor) or (private and id(x) in private):
-                return x
+                continue
             if key not in self.shared and x.numel() * x.element_size() <= self.clone_max_bytes:
-                return x.detach().clone()
-            watched.append((x, x._version))
-            return x
-
-        return (tuple(guard(i, a) for i, a in enumerate(args)), {k: guard(k, v) for k, v in kwargs.items()},
+                cloned.append((key, x))
+            else:
+                watched.append((x, x._version))
+        xs = [x for _, x in cloned]
+        copies = dict(zip([k for k, _ in cloned], clone_many(xs) if batch else [x.detach().clone() for x in xs],
+                          strict=True))
+        return (tuple(copies.get(i, a) for i, a in enumerate(args)), {k: copies.get(k, v) for k, v in kwargs.items()},
                 watched)
 
     def _candidate_error(self, err: str | None, out_c: Any, out_b: Any,

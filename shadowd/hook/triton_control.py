@@ -1,12 +1,16 @@
 # mypy: allow-untyped-defs
 """The tiny kernels around a shadowed call on the graph path (Triton): every per-call decision in device memory.
 
-* :func:`control_kernel` — before the call: reads the host control word (mode, sampling, spot checks,
-  disabled / fallback packed into one int64 of pinned memory the host may write at any time, so a kill
-  switch reaches captured graphs: :func:`pack_host_word`) and the device counters, and writes the call's
-  decisions (do statistics, use the candidate, publish, run the baseline, run the candidate) into the
-  site's decision words. The host word is one 8-byte load, one PCIe round trip: the five words it replaced
-  were read one after the other, 20 µs per call on the H200 (bench/results/sglang-2026-11-30.md);
+* :func:`control_kernel` — before the call: reads the control word (mode, sampling, spot checks,
+  disabled / fallback packed into one int64: :func:`pack_host_word`) and the device counters, and writes the
+  call's decisions (do statistics, use the candidate, publish, run the baseline, run the candidate) into the
+  site's decision words. Eagerly the host passes the word as an argument; under a graph the kernel reads the
+  word's device mirror, so a call never waits for host memory (a PCIe round trip, ~5 µs per call on the
+  H200: bench/results/sglang-2026-11-30.md);
+* :func:`mirror_kernel` — the host's change reaching graphs: one 8-byte load of the pinned host word and one
+  store into its device mirror, launched by the host on a stream of its own whenever the word changes (a
+  kill switch, a disabled candidate, a fall-back), so replays see it within microseconds, the serving stream
+  never waits for it, and a 64-bit store never shows a half-updated word;
 * :func:`gate_kernel` — a copy of a small int tensor that is zeros when the baseline (or the candidate)
   is gated off;
 * :func:`stamp_kernel` — a global-timer stamp between the implementations (device time per call);
@@ -19,7 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["HOST_WORD", "control_kernel", "gate_kernel", "pack_host_word", "select_kernel", "stamp_kernel"]
+__all__ = ["HOST_WORD", "control_kernel", "gate_kernel", "mirror_kernel", "pack_host_word", "select_kernel",
+           "stamp_kernel"]
 
 #: the host control word: bits 0-1 mode (0 off, 1 validate, 2 on), bit 2 disabled, bit 3 fallback, bits 4-33
 #: validate sampling 1 in N, bits 34-62 on-mode spot check 1 in N (N clamped to the field: 2^30 − 1 and 2^29 − 1
@@ -39,13 +44,17 @@ def pack_host_word(mode: int, sample_n: int, spot_n: int, disabled: bool, fallba
     return mode | int(bool(disabled)) << 2 | int(bool(fallback)) << 3 | sample << 4 | spot << 34
 
 
-@triton.jit(do_not_specialize=["first_layer", "max_t", "max_l", "host_decides", "host_do_stats",
+@triton.jit(do_not_specialize=["host_word", "first_layer", "max_t", "max_l", "host_decides", "host_do_stats",
                                "host_use_cand", "host_step", "bs", "t", "plen"])
-def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, max_t, max_l,
+def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, first_layer, max_t, max_l,
                     host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
                     USE_TIMER: tl.constexpr, GATED: tl.constexpr):
-    # hctrl[0] (pinned host, written by Python at any time): the packed word of HOST_WORD, in one load
-    w = tl.load(hctrl_ptr, volatile=True)
+    # the packed word of HOST_WORD: eagerly the host's (an argument), under a graph its device mirror
+    # (dctrl[0], kept up to date by mirror_kernel), in one load from device memory
+    if host_decides != 0:  # noqa: SIM108 - a branch on a runtime scalar: the load is skipped, not selected
+        w = host_word.to(tl.int64)
+    else:
+        w = tl.load(dctrl_ptr, volatile=True)
     mode = w & 3
     disabled = ((w >> 2) & 1) != 0
     fallback = (((w >> 3) & 1) != 0) | (tl.load(dstate_ptr + 3) != 0)
@@ -101,6 +110,12 @@ def _control_kernel(hctrl_ptr, dstate_ptr, sstate_ptr, meta_ptr, first_layer, ma
         tl.store(sstate_ptr + 6, tl.extra.cuda.globaltimer().to(tl.int64))
 
 
+@triton.jit
+def _mirror_kernel(hctrl_ptr, dctrl_ptr):
+    # the pinned host word as it is when this runs (not when it was launched), in one 64-bit load and store
+    tl.store(dctrl_ptr, tl.load(hctrl_ptr, volatile=True))
+
+
 @triton.jit(do_not_specialize=["n"])
 def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
     # dst = src when the side gated by sstate[WORD] must run this call (13: the baseline, 14: the
@@ -128,6 +143,7 @@ def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, BLOCK: tl.c
 
 
 control_kernel = _control_kernel
+mirror_kernel = _mirror_kernel
 gate_kernel = _gate_kernel
 stamp_kernel = _stamp_kernel
 select_kernel = _select_kernel

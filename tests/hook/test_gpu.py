@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -230,11 +231,13 @@ def test_gpu_sampling_and_kill_switch_on_replay() -> None:
         g.replay()
         steps += [s["step"] for s in _drain(rt)]
     assert len(steps) == 3 and all(s % 3 == 0 for s in steps), steps
-    rt.set_override("off")  # the kill switch: pinned host word, read by the control kernel on replay
+    rt.set_override("off")  # the kill switch: the control word, pushed to the device mirror replays read
+    rt.device().settle_control()  # (it lands microseconds later; the test waits for it, serving never does)
     for _ in range(6):
         g.replay()
     assert _drain(rt) == []
     rt.set_override(None)
+    rt.device().settle_control()
     for _ in range(3):
         g.replay()
     assert len(_drain(rt)) == 1
@@ -359,22 +362,52 @@ def test_gpu_candidate_gate_runs_the_candidate_only_on_replays_that_use_it() -> 
     for r in recs:  # the sampled replays compared the real candidate, not a gated one
         check(r, {k: v for k, v in ref.items() if k in ("max_abs", "rel_l2", "numel")})
     rt.set_override("off")
+    rt.device().settle_control()
     for _ in range(6):
         g.replay()
     assert _drain(rt) == [] and int(worked.item()) == 3
 
 
 def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
+    """The kill switch as the streamer applies it: set on another thread, it reaches the captured graph."""
     rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)
     g, out = _capture(site, x, w, bucket, warm=2)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gpu_cand(x, w))
-    rt.set_override("validate")
+    t = threading.Thread(target=rt.set_override, args=("validate",))
+    t.start()
+    t.join()
+    assert not rt.device().control_dirty, "the streamer's thread pushed the word itself"
+    rt.device().settle_control()
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gpu_base(x, w))
     assert [s["mode"] for s in _drain(rt)][-1:] == ["validate"]
+
+
+def test_gpu_control_word_changed_during_capture_is_pushed_after_it() -> None:
+    """A change made on the capturing thread (a candidate disabled during capture, say) cannot be launched there:
+    it stays dirty until the next poll pushes it, and replays obey it from then on."""
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("validate")
+    _g0, _ = _capture(site, x, w, bucket)  # warm every kernel variant
+    ds = rt.device()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = site(x, w, layer=0, bucket=bucket)
+        rt.set_override("off")
+    assert ds.control_dirty
+    _drain(rt)  # the poll pushes it
+    assert not ds.control_dirty
+    ds.settle_control()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert _drain(rt) == [] and torch.equal(out, gpu_base(x, w))
+    rt.set_override(None)
+    ds.settle_control()
+    g.replay()
+    assert len(_drain(rt)) == 1
 
 
 def test_gpu_no_host_sync_on_the_serving_path() -> None:
@@ -557,3 +590,27 @@ def test_gpu_raw_torch_matches_fused_on_device_tensors() -> None:
     c = b + 1e-3 * torch.randn(300, 7, device="cuda")
     raw = raw_stats_torch(c.cpu(), b.cpu())
     check(fused(c, b), {k: v for k, v in finalize(raw.tolist()).items() if k != "max_pos"})
+
+
+def test_gpu_clone_many_copies_every_kind_of_input_privately() -> None:
+    """The candidate's input copies (one launch for the dense word-sized ones): equal values, dtypes, shapes and
+    strides, separate memory, for the argument kinds of the SGLang site — bf16 q, a draft k and its strided v
+    view, int32 indices, an odd-length bool mask, int64 pointers, an empty tensor — and views at offsets."""
+    from shadowd.hook.site import clone_many
+
+    k = torch.randn(7, 1, 576, device="cuda").to(torch.bfloat16)
+    xs = [torch.randn(7, 8, 576, device="cuda").to(torch.bfloat16), k, k[..., :512],
+          torch.randn(64, 8, 576, device="cuda").to(torch.bfloat16),  # beyond BATCH_CLONE_MAX_BYTES
+          torch.randint(0, 1 << 30, (4099,), dtype=torch.int32, device="cuda"),
+          torch.rand(37, device="cuda") < 0.5, torch.arange(9, dtype=torch.int64, device="cuda"),
+          torch.empty(0, 576, device="cuda"), torch.arange(64, dtype=torch.int32, device="cuda")[5:50],
+          torch.arange(64, dtype=torch.uint8, device="cuda")[3:35], k.reshape(-1)[1:9]]  # offsets off the word
+    before = [x.clone() for x in xs]
+    ys = clone_many(xs)
+    for x, y, b in zip(xs, ys, before, strict=True):
+        assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, b)
+        assert y.is_contiguous() or y.stride() == x.stride()
+        assert y.numel() == 0 or y.data_ptr() != x.data_ptr()
+    for y in ys:  # writing the copies leaves the inputs untouched
+        y.zero_() if y.dtype != torch.bool else y.fill_(True)
+    assert all(torch.equal(x, b) for x, b in zip(xs, before, strict=True))

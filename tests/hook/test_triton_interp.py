@@ -29,11 +29,15 @@ torch.cuda.current_device = lambda: 0
 torch.cuda.get_device_properties = lambda d: SimpleNamespace(multi_processor_count=1)
 CAPTURE = [False]
 torch.cuda.is_current_stream_capturing = lambda: CAPTURE[0]
+torch.cuda.Stream = lambda *a, **k: None  # the control word's stream: torch.cuda.stream(None) is a no-op
 import shadowd.hook.device as dev
 real_device = torch.device
 dev.torch = SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
 dev.torch.device = lambda *a: real_device("cpu")
 dev.torch.cuda = torch.cuda
+# CAPTURE stands for replays here (the kernels decide); the host's pushes of the control word come from
+# outside any capture, as the streamer's thread makes them
+dev.DeviceState._capturing = staticmethod(lambda: False)
 from shadowd.hook import site as site_mod
 site_mod._tensors = lambda a, k: [SimpleNamespace(is_cuda=True)]
 from shadowd.hook.config import HookConfig, Sampling
@@ -176,8 +180,10 @@ s5 = ShadowSite("t5", base_n, cand_n, runtime=rt5, candidate_gate=cgate)
 nsz = torch.tensor([7, 3], dtype=torch.int64)
 returned = [torch.equal(s5(x, w, nsz, layer=0, bucket=bk), base(x, w)) for _ in range(4)]
 recs5 = ds5.poll()
-# the kill switch as a replay sees it: only the pinned control word changes (no Python runs on replay)
+# the kill switch as a replay sees it: only the control word changes (no Python runs on replay), pushed to
+# the device mirror the control kernel reads
 ds5.hctrl[0] = 0
+assert ds5.push_control()
 for _ in range(2):
     s5(x, w, nsz, layer=0, bucket=bk)
 out["cand_gate"] = {"sizes": csizes, "records": len(recs5), "baseline_returned": returned,
