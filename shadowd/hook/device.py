@@ -10,7 +10,7 @@ Per call, on the current stream::
     baseline(...)
     stamp kernel     t1
     candidate(...)   on protected inputs (clones of small tensors)
-    stamp kernel     t2
+    stamp kernel     t2 (eager calls; under a graph the stats kernel reads t2 at its start)
     stats kernel     fused statistics over the real rows only (count read from device memory;
                      nothing when do_stats is 0): every program folds its partials into the
                      site's accumulator row with atomics, and the program drawing the last
@@ -73,10 +73,12 @@ from shadowd.hook.launch import (
     RUN_CAND,
     TILE,
     fused_raw_stats,
+    gated_copies,
     gated_copy,
     hist_mode_for,
     launch_stats,
     new_accumulator,
+    pdl_options,
     pdl_supported,
 )
 from shadowd.hook.triton_control import control_kernel, mirror_kernel, pack_host_word, select_kernel, stamp_kernel
@@ -87,8 +89,8 @@ if TYPE_CHECKING:
 
 # the launch helpers are re-exported: callers (tests, benches, older trees timed side by side) import them here
 __all__ = ["NMETA", "REC", "REC_MAIN", "REC_MAIN_ORACLE", "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE",
-           "RUN_CAND", "TILE", "DeviceState", "device_call", "fused_raw_stats", "gated_copy", "hist_mode_for",
-           "launch_stats", "new_accumulator", "oracle_error", "pdl_supported"]
+           "RUN_CAND", "TILE", "DeviceState", "device_call", "fused_raw_stats", "gated_copies", "gated_copy",
+           "hist_mode_for", "launch_stats", "new_accumulator", "oracle_error", "pdl_options", "pdl_supported"]
 
 log = logging.getLogger("shadowd.hook")
 _MODE_NAME = {1: "validate", 2: "on"}
@@ -142,6 +144,8 @@ class DeviceState:
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.sites: list[tuple[ShadowSite, int]] = []
         self.use_timer = True
+        #: the hook's small kernels are launched with programmatic dependent launch (sm_90+)
+        self.pdl = pdl_supported(self.device)
 
     def sync_host_control(self, rt: HookRuntime) -> None:
         """Write the host state into the control word (layout: ``triton_control.HOST_WORD``) and push it to the
@@ -338,14 +342,15 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
                          int(layer == site.first_layer), min(cfg.max_draft_tokens, 2**62),
                          min(cfg.max_prefix_len, 2**62), host_decides, do_stats, use_cand, rt.step,
                          b.batch_size, b.draft_tokens, b.prefix_len,
-                         HAS_META=meta is not None, USE_TIMER=ds.use_timer, GATED=int(gated))
+                         HAS_META=meta is not None, USE_TIMER=ds.use_timer, GATED=int(gated), PDL=ds.pdl,
+                         **pdl_options(ds.pdl))
     if gated:
         assert site.baseline_gate is not None
         with site.baseline_gate(slot.sstate, args, kwargs):
             out_b = site.baseline(*args, **kwargs)
     else:
         out_b = site.baseline(*args, **kwargs)
-    stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer)
+    stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer, PDL=ds.pdl, **pdl_options(ds.pdl))
     if capturing and code == 1 and site.candidate_gate is not None:  # zero work on replays that do not use it
         gargs, gkwargs = site.candidate_gate(slot.sstate, args, kwargs)
         # the gate's outputs are already private copies: they are not cloned a second time
@@ -354,7 +359,11 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     else:
         cargs, ckwargs, watched = site._protect(args, kwargs, batch=capturing)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
-    stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer)
+    # under a graph the statistics kernel reads the candidate's end at its start (one node fewer); eagerly a
+    # stamp kernel follows the candidate at once, as the statistics kernel's start could wait for the host
+    # (an oracle run, a first call's compile) after the candidate has finished
+    if not capturing:
+        stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer, PDL=ds.pdl, **pdl_options(ds.pdl))
     err = site._candidate_error(err, out_c, out_b, watched)
     if err is not None:
         site.consecutive_errors += 1
@@ -376,7 +385,8 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
             done, _err = site._isolated("oracle", _oracle_records, site, args, kwargs, out_c, out_b, slot, ds, b)
             kind = REC_MAIN_ORACLE if done else REC_MAIN
     launch_stats(out_c, out_b, slot.acc, ds.ring, ds.ring_seq, slot.sstate, ds.dstate, valid_rows=b.valid_rows,
-                 hard_scaled=cfg.hard_scaled_max_abs, hard_rel_l2=cfg.hard_rel_l2, site_id=slot.site_id, kind=kind)
+                 hard_scaled=cfg.hard_scaled_max_abs, hard_rel_l2=cfg.hard_rel_l2, site_id=slot.site_id, kind=kind,
+                 stamp=capturing and ds.use_timer)
     if cfg.bundle_dir is not None and not capturing and ds.captures.wants(slot.site_id):
         site._isolated("bundle", ds.captures.snapshot, site, slot.site_id, layer, b,
                        "on" if code == 2 else "validate", args, kwargs, out_b, out_c, None)
@@ -385,5 +395,5 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     out = torch.empty_like(out_b)
     n = out.numel()
     select_kernel[(triton.cdiv(n, BLOCK),)](out, out_c.contiguous(), out_b.contiguous(), n, slot.sstate, ds.dstate,
-                                          BLOCK=BLOCK)
+                                          BLOCK=BLOCK, PDL=ds.pdl, **pdl_options(ds.pdl))
     return out

@@ -24,8 +24,8 @@ from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
 
 __all__ = ["HIST_MODE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC", "REC_MAIN", "REC_MAIN_ORACLE",
            "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND", "SMALL_NUMEL", "SMALL_TILE", "SPEC_NUMEL",
-           "TILE", "fused_raw_stats", "gated_copy", "hist_mode_for", "launch_stats", "new_accumulator",
-           "pdl_supported"]
+           "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for", "launch_stats",
+           "new_accumulator", "pdl_options", "pdl_supported"]
 
 NMETA = 12  # record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind
 #: record kinds (word 11): candidate vs baseline; the same, preceded by this call's two oracle records
@@ -104,7 +104,7 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                  hard_scaled: float = 0.25, hard_rel_l2: float = 0.1, site_id: int = 0,
                  publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True,
                  hist_mode: int | None = None, spec: bool | None = None, pdl: bool | None = None,
-                 kind: int = REC_MAIN) -> Any:
+                 kind: int = REC_MAIN, stamp: bool = False) -> Any:
     """Launch the statistics kernel (one launch; no sync, no allocation when inputs are contiguous).
 
     Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
@@ -113,11 +113,14 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) and ``spec`` (load the first tile before the
     decision word; default: outputs up to SPEC_NUMEL elements launched without PDL) and ``pdl`` (programmatic
     dependent launch; default: :func:`pdl_supported`) are benchmark knobs; the hook uses the defaults.
-    ``kind`` goes into the record's word 11 (``REC_*``: what the record compares).
+    ``kind`` goes into the record's word 11 (``REC_*``: what the record compares). ``stamp``: the record's
+    candidate time ends at this kernel's start (global timer, read after the PDL wait) instead of at the
+    stamp kernel's ``sstate[8]`` — one launch fewer per call where the candidate directly precedes it.
 
     Contract under PDL: the kernel reads the decision word ``sstate[0]`` and ``valid_rows`` before it waits
     for the previous kernel, so the kernel directly before it on the stream must not write them (in the
-    hook that kernel is the timer stamp, which writes ``sstate[8]``); everything else it reads after."""
+    hook that kernel is the candidate's last one, or the timer stamp, which writes ``sstate[8]``); everything
+    else it reads after."""
     c = cand.reshape(-1) if cand.is_contiguous() else cand.contiguous().reshape(-1)
     b = base.reshape(-1) if base.is_contiguous() else base.contiguous().reshape(-1)
     n = b.numel()
@@ -147,7 +150,8 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                            hard_rel_l2 * hard_rel_l2, site_id, kind, HAS_VALID=has_valid, BLOCK=block, VEC=vec,
                            HIST=mode, PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
                            SPEC=spec, POS=n <= POS_NUMEL,
-                           PDL=pdl, ONE=nprog * block >= n, num_warps=warps, **opts)
+                           PDL=pdl, ONE=nprog * block >= n, STAMP=stamp and not _INTERPRET, num_warps=warps,
+                           **opts)
 
 
 def gated_copy(src: torch.Tensor, sstate: torch.Tensor, word: int = RUN_BASE) -> torch.Tensor:
@@ -157,14 +161,30 @@ def gated_copy(src: torch.Tensor, sstate: torch.Tensor, word: int = RUN_BASE) ->
     ``sstate`` is the call site's decision words (what a ``baseline_gate`` / ``candidate_gate`` receives);
     one tiny launch, no sync, graph-safe (under capture the copy comes from the graph's pool and the
     kernel re-decides on every replay)."""
+    return gated_copies([src], sstate, word)[0]
+
+
+def gated_copies(srcs: list[torch.Tensor], sstate: torch.Tensor, word: int = RUN_BASE) -> list[torch.Tensor]:
+    """:func:`gated_copy` of every tensor of ``srcs``, two per launch (a gate's ``qo_indptr`` and ``kv_indptr``
+    in one)."""
     if word not in (RUN_BASE, RUN_CAND):
         raise ValueError(f"word: expected RUN_BASE ({RUN_BASE}) or RUN_CAND ({RUN_CAND}), got {word!r}")
-    src = src.contiguous()
-    dst = torch.empty_like(src)
-    n = src.numel()
-    gate_kernel[(1,)](src, dst, n, sstate, WORD=word, BLOCK=max(16, triton.next_power_of_2(max(n, 1))),
-                      num_warps=1)
-    return dst
+    srcs = [s.contiguous() for s in srcs]
+    dsts = [torch.empty_like(s) for s in srcs]
+    pdl = bool(srcs) and pdl_supported(srcs[0].device)
+    for i in range(0, len(srcs), 2):
+        pair = srcs[i:i + 2]
+        two = len(pair) == 2
+        s0, d0, s1, d1 = pair[0], dsts[i], pair[-1], dsts[i + 1] if two else dsts[i]
+        block = max(16, triton.next_power_of_2(max(s0.numel(), s1.numel(), 1)))
+        gate_kernel[(1,)](s0, d0, s0.numel(), s1, d1, s1.numel(), sstate, WORD=word, BLOCK=block, TWO=two, PDL=pdl,
+                          num_warps=1, **pdl_options(pdl))
+    return dsts
+
+
+def pdl_options(pdl: bool) -> dict[str, Any]:
+    """The launch options of a kernel launched with programmatic dependent launch (none otherwise)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = None, *,

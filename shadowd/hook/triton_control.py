@@ -11,11 +11,14 @@
   store into its device mirror, launched by the host on a stream of its own whenever the word changes (a
   kill switch, a disabled candidate, a fall-back), so replays see it within microseconds, the serving stream
   never waits for it, and a 64-bit store never shows a half-updated word;
-* :func:`gate_kernel` — a copy of a small int tensor that is zeros when the baseline (or the candidate)
-  is gated off;
+* :func:`gate_kernel` — a copy of one or two small int tensors that is zeros when the baseline (or the
+  candidate) is gated off;
 * :func:`stamp_kernel` — a global-timer stamp between the implementations (device time per call);
 * :func:`select_kernel` — the output served in on mode: the candidate's, unless the call's decision or
   the sticky fallback flag says the baseline's.
+
+On sm_90+ the hook launches them with programmatic dependent launch (``PDL``): each waits for the previous
+kernel first (:func:`pdl_wait`), so only its launch overlaps that kernel's tail.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["HOST_WORD", "control_kernel", "gate_kernel", "mirror_kernel", "pack_host_word", "select_kernel",
-           "stamp_kernel"]
+__all__ = ["HOST_WORD", "control_kernel", "gate_kernel", "mirror_kernel", "pack_host_word", "pdl_wait",
+           "select_kernel", "stamp_kernel"]
 
 #: the host control word: bits 0-1 mode (0 off, 1 validate, 2 on), bit 2 disabled, bit 3 fallback, bits 4-33
 #: validate sampling 1 in N, bits 34-62 on-mode spot check 1 in N (N clamped to the field: 2^30 − 1 and 2^29 − 1
@@ -33,6 +36,15 @@ HOST_WORD = {"mode": (0, 2), "disabled": (2, 1), "fallback": (3, 1), "sample_n":
 _SAMPLE_MAX, _SPOT_MAX = 2**30 - 1, 2**29 - 1
 # kernels may only read constexpr globals
 _SAMPLE_MAX_C, _SPOT_MAX_C = tl.constexpr(_SAMPLE_MAX), tl.constexpr(_SPOT_MAX)
+
+
+@triton.jit
+def pdl_wait():
+    """Programmatic dependent launch (sm_90+; a no-op otherwise): wait for the previous kernel's writes, then let
+    the next kernel launch. A small kernel launched with ``launch_pdl`` calls this before anything else, so it is
+    ordered exactly as a plain launch while its own launch overlaps the previous kernel's tail."""
+    tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
+                              "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pack_host_word(mode: int, sample_n: int, spot_n: int, disabled: bool, fallback: bool) -> int:
@@ -48,7 +60,9 @@ def pack_host_word(mode: int, sample_n: int, spot_n: int, disabled: bool, fallba
                                "host_use_cand", "host_step", "bs", "t", "plen"])
 def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, first_layer, max_t, max_l,
                     host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
-                    USE_TIMER: tl.constexpr, GATED: tl.constexpr):
+                    USE_TIMER: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        pdl_wait()
     # the packed word of HOST_WORD: eagerly the host's (an argument), under a graph its device mirror
     # (dctrl[0], kept up to date by mirror_kernel), in one load from device memory
     if host_decides != 0:  # noqa: SIM108 - a branch on a runtime scalar: the load is skipped, not selected
@@ -116,25 +130,36 @@ def _mirror_kernel(hctrl_ptr, dctrl_ptr):
     tl.store(dctrl_ptr, tl.load(hctrl_ptr, volatile=True))
 
 
-@triton.jit(do_not_specialize=["n"])
-def _gate_kernel(src_ptr, dst_ptr, n, sstate_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n0", "n1"])
+def _gate_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, sstate_ptr, WORD: tl.constexpr,
+                 BLOCK: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
     # dst = src when the side gated by sstate[WORD] must run this call (13: the baseline, 14: the
-    # candidate), else zeros (work sizes of nothing)
+    # candidate), else zeros (work sizes of nothing); TWO: a second tensor in the same launch
+    if PDL:
+        pdl_wait()
     run = tl.load(sstate_ptr + WORD) != 0
     offs = tl.arange(0, BLOCK)
-    m = offs < n
-    v = tl.load(src_ptr + offs, mask=m, other=0)
-    tl.store(dst_ptr + offs, tl.where(run, v, 0), mask=m)
+    m = offs < n0
+    v = tl.load(src0_ptr + offs, mask=m, other=0)
+    tl.store(dst0_ptr + offs, tl.where(run, v, 0), mask=m)
+    if TWO:
+        m1 = offs < n1
+        v1 = tl.load(src1_ptr + offs, mask=m1, other=0)
+        tl.store(dst1_ptr + offs, tl.where(run, v1, 0), mask=m1)
 
 
 @triton.jit(do_not_specialize=["idx"])
-def _stamp_kernel(sstate_ptr, idx, USE_TIMER: tl.constexpr):
+def _stamp_kernel(sstate_ptr, idx, USE_TIMER: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        pdl_wait()
     if USE_TIMER:
         tl.store(sstate_ptr + idx, tl.extra.cuda.globaltimer().to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["n"])
-def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, BLOCK: tl.constexpr):
+def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        pdl_wait()
     use = (tl.load(sstate_ptr + 1) != 0) & (tl.load(dstate_ptr + 3) == 0)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n

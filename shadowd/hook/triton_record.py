@@ -62,19 +62,20 @@ ACC_C = tl.constexpr(ACC)
 
 
 @triton.jit
-def record_inputs(sstate_ptr, dstate_ptr):
+def record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP: tl.constexpr):
     """The words the finishing program needs besides the row, as a tuple: (use_cand, pub, seq, fb_old,
     call, step, mode, baseline ns, candidate ns, batch, draft, prefix). Every program reads them before
     its ticket, so they arrive while the ticket's round trip is under way and the last program's chain
     is one read of the row. They are stable during the call: the control and stamp kernels wrote them
-    before this kernel's first read, and only the last program writes ``dstate`` — after reading them."""
+    before this kernel's first read, and only the last program writes ``dstate`` — after reading them.
+    The candidate's end is ``t_end`` (this kernel's start) with STAMP, else the stamp kernel's sstate[8]."""
     use_cand = tl.load(sstate_ptr + 1) != 0
     pub = tl.load(sstate_ptr + 12) != 0
     seq = tl.load(dstate_ptr + 2)
     fb_old = tl.load(dstate_ptr + 3)
     t0 = tl.load(sstate_ptr + 6)
     t1 = tl.load(sstate_ptr + 7)
-    t2 = tl.load(sstate_ptr + 8)
+    t2 = t_end if STAMP else tl.load(sstate_ptr + 8)
     return (use_cand, pub, seq, fb_old, tl.load(sstate_ptr + 5), tl.load(sstate_ptr + 4), tl.load(sstate_ptr + 3),
             t1 - t0, t2 - t1, tl.load(sstate_ptr + 9), tl.load(sstate_ptr + 10), tl.load(sstate_ptr + 11))
 

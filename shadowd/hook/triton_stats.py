@@ -296,18 +296,22 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
                   ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id, kind,
                   HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
                   PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr, NW: tl.constexpr,
-                  SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr, ONE: tl.constexpr):
+                  SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr, ONE: tl.constexpr,
+                  STAMP: tl.constexpr):
     # Phase 1 (every program of a sampled call): a grid-stride pass over its tiles of the real elements
     # (their count read from device memory): fp32 per-row sums and maxima, a per-program log2 histogram.
     # With PDL, what comes before the wait overlaps the previous kernel: the histogram's shared memory is
     # zeroed, and the real count and the call's decision are read — launch_stats' contract: the kernel
-    # directly before this one on the stream does not write them (in the hook it is the timer stamp).
+    # directly before this one on the stream does not write them (in the hook: the candidate's last kernel).
+    # STAMP: the candidate's end time is this kernel's start, read from the global timer after the wait
+    # (every program of the one wave starts there; the finishing program's own reading is used), in place of
+    # a stamp kernel's sstate[8].
     hist_declare(HIST, NW)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = n_static.to(tl.int64)
     # (read through L2 only: no L1 line of the decision word's neighbours, which the previous kernel may
-    # write — the timer stamp writes sstate[8] — survives into the reads after the wait)
+    # write — a timer stamp writes sstate[8] — survives into the reads after the wait)
     if HAS_VALID:
         n = tl.minimum(tl.load(valid_ptr, cache_modifier=".cg").to(tl.int64) * row_numel, n)
     go = tl.load(sstate_ptr, cache_modifier=".cg") != 0
@@ -315,6 +319,7 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
     if PDL:  # programmatic dependent launch (sm_90+): the previous kernel's writes are visible after the wait
         tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
                                   "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+    t_end = tl.extra.cuda.globaltimer().to(tl.int64) if STAMP else 0
     if SPEC:  # small outputs without PDL: the first tile is read before the real count and the decision arrive
         c_nx, b_nx = _full_tile(c_ptr, b_ptr, pid, n_static.to(tl.int64), BLOCK, VEC)
     # do_stats, decided by the control kernel (or the host): an unsampled call's programs end here
@@ -348,7 +353,7 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
                 tl.atomic_add(acc_ptr + A_HIST + hbin, hist.to(tl.int64), mask=(hbin < HIST_BINS) & (hist != 0),
                               sem="relaxed")
         # the finishing program's other inputs, read while the ticket's round trip is under way
-        inputs = record_inputs(sstate_ptr, dstate_ptr)
+        inputs = record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP)
         # every thread's atomics are ordered before this program's ticket: a CTA barrier, then the
         # ticket's gpu-scope release by one thread (cumulative: it covers what the barrier ordered before
         # it, as in the CUDA grid-sync pattern); the program that draws the last ticket acquires them all

@@ -81,11 +81,11 @@ def baseline(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def baseline_gate(sstate: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
     """Gate the baseline's work through the call's decision words ``sstate`` (see the module docstring;
     graph capture only)."""
-    from shadowd.hook.device import RUN_BASE, gated_copy
+    from shadowd.hook.device import RUN_BASE, gated_copies
 
     md = args[0].backend.forward_metadata
     qo, kv = md.qo_indptr, md.kv_indptr
-    md.qo_indptr, md.kv_indptr = gated_copy(qo, sstate, RUN_BASE), gated_copy(kv, sstate, RUN_BASE)
+    md.qo_indptr, md.kv_indptr = gated_copies([qo, kv], sstate, RUN_BASE)
     try:
         yield
     finally:
@@ -99,11 +99,10 @@ KV_BUFFER_ARG, _QO, _KV = 4, 5, 6
 def candidate_gate(sstate: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The candidate's arguments with its work sizes gated (see the module docstring; graph capture only)."""
-    from shadowd.hook.device import RUN_CAND, gated_copy
+    from shadowd.hook.device import RUN_CAND, gated_copies
 
     gated = list(args)
-    for i in (_QO, _KV):
-        gated[i] = gated_copy(args[i], sstate, RUN_CAND)
+    gated[_QO], gated[_KV] = gated_copies([args[_QO], args[_KV]], sstate, RUN_CAND)
     return tuple(gated), kwargs
 
 

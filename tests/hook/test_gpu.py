@@ -614,3 +614,58 @@ def test_gpu_clone_many_copies_every_kind_of_input_privately() -> None:
     for y in ys:  # writing the copies leaves the inputs untouched
         y.zero_() if y.dtype != torch.bool else y.fill_(True)
     assert all(torch.equal(x, b) for x, b in zip(xs, before, strict=True))
+
+
+def test_gpu_gated_copies_two_tensors_in_one_launch() -> None:
+    """A gate's qo_indptr and kv_indptr (different dtypes) gated together: copies when the side runs, zeros when
+    it is gated off, the sources untouched."""
+    from shadowd.hook.device import RUN_BASE, RUN_CAND, gated_copies
+
+    qo = torch.arange(0, 40, 8, dtype=torch.int32, device="cuda")
+    kv = torch.arange(0, 5000, 1000, dtype=torch.int64, device="cuda")
+    sstate = torch.zeros(16, dtype=torch.int64, device="cuda")
+    sstate[RUN_BASE] = 1
+    a, b = gated_copies([qo, kv], sstate, RUN_BASE)
+    c, d = gated_copies([qo, kv], sstate, RUN_CAND)
+    assert torch.equal(a, qo) and torch.equal(b, kv) and a.dtype == qo.dtype and b.dtype == kv.dtype
+    assert int(c.abs().sum()) == 0 and int(d.abs().sum()) == 0 and c.shape == qo.shape and d.shape == kv.shape
+    (three,) = gated_copies([qo], sstate, RUN_BASE)
+    assert torch.equal(three, qo) and int(qo[-1]) == 32 and int(kv[-1]) == 4000
+    with pytest.raises(ValueError, match="word"):
+        gated_copies([qo], sstate, 3)
+
+
+CYCLES = 1_000_000  # torch.cuda._sleep: >= 505 µs at the H200's highest SM clock (1980 MHz)
+
+
+def test_gpu_candidate_time_ends_where_the_candidate_does() -> None:
+    """The record's candidate time runs from the baseline's end to the candidate's end: eagerly a stamp kernel
+    right after the candidate (an oracle call's oracle, run before the statistics, is not the candidate's
+    time); on replay the statistics kernel's start."""
+    def slow_cand(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(CYCLES)
+        return gpu_cand(x, w)
+
+    def slow_oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(3 * CYCLES)
+        return gpu_oracle(x, w)
+
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("validate")
+    site.candidate, site.oracle = slow_cand, slow_oracle
+    for _ in range(2):  # compiles every kernel (a first call's times include the host's compiles)
+        site(x, w, layer=0, bucket=bucket)
+    _drain(rt)
+    rt.config.oracle_every = 2
+    for _ in range(4):  # eager: calls 2 and 4 run the oracle
+        site(x, w, layer=0, bucket=bucket)
+    eager = _drain(rt)
+    assert len(eager) == 4 and sum(s["oracle_cand_err"] is not None for s in eager) == 2
+    for s in eager:
+        assert 400 <= s["cand_us"] < 1400 and s["base_us"] < 300, (s["cand_us"], s["base_us"])
+    rt.config.oracle_every = 0
+    g, _ = _capture(site, x, w, bucket)
+    _drain(rt)
+    for _ in range(3):
+        g.replay()
+    replayed = _drain(rt)
+    assert len(replayed) == 3 and all(400 <= s["cand_us"] < 1400 and s["base_us"] < 300 for s in replayed)
