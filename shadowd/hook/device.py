@@ -115,8 +115,9 @@ class DeviceState:
     captured graphs obey. The host packs it into pinned memory and launches :func:`mirror_kernel` on a stream of
     its own, which copies it into device memory, where the control kernels of replays read it: a change reaches
     every call that starts after that 8-byte copy has run (microseconds later), and no call waits for host
-    memory. A change made on a capturing thread, or whose launch failed, is pushed again by the next
-    :meth:`poll` or eager call (``control_dirty``)."""
+    memory. A change made on a thread that is capturing (a candidate failing during capture) captures the copy
+    into the graph at that point, and the next :meth:`poll` or eager call pushes it (``control_dirty``), as it
+    does after a failed launch."""
 
     def __init__(self, rt: HookRuntime) -> None:
         self.rt = rt
@@ -126,6 +127,7 @@ class DeviceState:
         #: the packed control word as last written (eager calls pass it to the control kernel)
         self.word = 0
         self.control_dirty = self._push_failing = False
+        self._ctrl_version = 0  # bumped by every write of the word: a push covers the writes made before it
         self._ctrl_lock = threading.Lock()
         self._ctrl_stream = torch.cuda.Stream(self.device)
         self.dstate = torch.zeros(8, dtype=torch.int64, device=self.device)
@@ -155,27 +157,46 @@ class DeviceState:
         with self._ctrl_lock:
             self._h[0] = word  # one aligned 8-byte store: the mirror kernel never reads half an update
             self.word = word
+            self._ctrl_version += 1
             self.control_dirty = True
-        self.push_control()
+        if self._capturing():
+            self._capture_mirror()
+        else:
+            self.push_control()
+
+    def _capture_mirror(self) -> None:
+        # A change made on a thread that is capturing a graph (a candidate that failed there): the copy is
+        # captured at this point, so every replay re-reads the word here (and later calls of that replay see
+        # it); the replays before the next poll's push would otherwise read the mirror as it was.
+        try:
+            mirror_kernel[(1,)](self.hctrl, self.dctrl, num_warps=1)
+        except Exception as e:
+            log.warning("shadowd: could not capture the control word's copy: %r", e)
 
     def push_control(self) -> bool:
         """Copy the pinned control word into its device mirror on the control stream (no wait: the copy runs
-        microseconds later and reads the word as it is then). Not from a thread that is capturing a graph, nor
-        after a failed launch: the word stays ``control_dirty`` and the next :meth:`poll` or eager call pushes
-        it. True when the copy was launched."""
+        microseconds later and reads the word as it is then). Not from a thread that is capturing a graph (where
+        :meth:`sync_host_control` captures the copy instead), nor after a failed launch: the word stays
+        ``control_dirty`` and the next :meth:`poll` or eager call pushes it. True when the copy was launched."""
         if self._capturing():
             return False
+        # the lock is not held across the launch (a first launch compiles the kernel: seconds), so a thread that
+        # writes the word never waits for another's push; the version says whether a write came after this one
         with self._ctrl_lock:
-            try:
-                with torch.cuda.stream(self._ctrl_stream):  # (also makes the stream's device current)
-                    mirror_kernel[(1,)](self.hctrl, self.dctrl, num_warps=1)
-            except Exception as e:  # stays dirty: pushed again later (reported once per failing streak)
-                if not self._push_failing:
-                    log.warning("shadowd: could not push the control word to the device (will retry): %r", e)
-                self._push_failing = True
-                return False
-            self.control_dirty = self._push_failing = False
-            return True
+            version = self._ctrl_version
+        try:
+            with torch.cuda.stream(self._ctrl_stream):  # (also makes the stream's device current)
+                mirror_kernel[(1,)](self.hctrl, self.dctrl, num_warps=1)
+        except Exception as e:  # stays dirty: pushed again later (reported once per failing streak)
+            if not self._push_failing:
+                log.warning("shadowd: could not push the control word to the device (will retry): %r", e)
+            self._push_failing = True
+            return False
+        with self._ctrl_lock:
+            self._push_failing = False
+            if self._ctrl_version == version:  # (a later write has its own push coming)
+                self.control_dirty = False
+        return True
 
     @staticmethod
     def _capturing() -> bool:
@@ -369,6 +390,10 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
         site.consecutive_errors += 1
         if site.consecutive_errors >= cfg.disable_after or capturing:
             rt.disable(f"candidate {err}" + (" during graph capture" if capturing else ""))
+        if gated:
+            # this call's control kernel decides on replay before the failure, from the word as it was: it may
+            # gate the baseline above to nothing, so the layer's output is a baseline run of its own, ungated
+            out_b = site.baseline(*args, **kwargs)
         sample = site._sample(layer, b, empty_stats(out_b.numel()), error=err,
                               mode="on" if code == 2 else "validate", cand_us=None, base_us=None)
         site._isolated("sink", rt.emit, sample)

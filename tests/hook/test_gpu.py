@@ -386,28 +386,76 @@ def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
     assert [s["mode"] for s in _drain(rt)][-1:] == ["validate"]
 
 
-def test_gpu_control_word_changed_during_capture_is_pushed_after_it() -> None:
-    """A change made on the capturing thread (a candidate disabled during capture, say) cannot be launched there:
-    it stays dirty until the next poll pushes it, and replays obey it from then on."""
+def test_gpu_control_word_changed_during_capture_reaches_replays() -> None:
+    """A change made on the capturing thread (a candidate disabled during capture, say) cannot be pushed from
+    there: the word's copy is captured at that point of the graph (the replay's calls after it see the change)
+    and the next poll pushes it for good."""
     rt, site, x, w, _valid, _meta, bucket = _graph_site("validate")
     _g0, _ = _capture(site, x, w, bucket)  # warm every kernel variant
     ds = rt.device()
+    _drain(rt)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = site(x, w, layer=0, bucket=bucket)
         rt.set_override("off")
     assert ds.control_dirty
-    _drain(rt)  # the poll pushes it
-    assert not ds.control_dirty
-    ds.settle_control()
-    for _ in range(3):
-        g.replay()
     torch.cuda.synchronize()
-    assert _drain(rt) == [] and torch.equal(out, gpu_base(x, w))
+    g.replay()  # its call decided before the captured copy: still validate, one record
+    g.replay()  # the copy of the first replay said off: no record
+    torch.cuda.synchronize()
+    assert torch.equal(out, gpu_base(x, w))
+    assert len(ds.poll()) == 1 and not ds.control_dirty  # (the poll pushed the word)
     rt.set_override(None)
     ds.settle_control()
-    g.replay()
+    g.replay()  # the captured copy re-reads the word on every replay: validate again
     assert len(_drain(rt)) == 1
+
+
+def test_gpu_on_mode_candidate_failing_during_capture_serves_the_baseline_at_once() -> None:
+    """On mode with a baseline gate: a candidate that raises during capture is disabled, and the very first
+    replays — before any poll has pushed the word — serve the baseline's full result at that layer, never the
+    gated (idle) baseline's buffer."""
+    from shadowd.hook.device import gated_copy
+
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)
+    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
+    outbuf = torch.zeros(ROWS, N, dtype=torch.bfloat16, device="cuda")
+
+    def base_sized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        work = (sizes[0][:1] != 0).to(torch.bfloat16)  # read on the device, like SGLang's kernels
+        outbuf.mul_(1 - work).add_(gpu_base(a, b) * work)  # an idle baseline leaves its buffer as it was
+        return outbuf
+
+    @contextlib.contextmanager
+    def gate(flag: torch.Tensor, args: tuple, kwargs: dict) -> Iterator[None]:
+        real = sizes[0]
+        sizes[0] = gated_copy(real, flag)
+        try:
+            yield
+        finally:
+            sizes[0] = real
+
+    fail = [False]
+
+    def cand(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            raise RuntimeError("candidate refuses this shape")
+        return gpu_cand(a, b)
+
+    site.baseline, site.baseline_gate, site.candidate = base_sized, gate, cand
+    _capture(site, x, w, bucket)  # warm, with a working candidate
+    _drain(rt)
+    fail[0] = True
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = site(x, w, layer=0, bucket=bucket)
+    assert rt.disabled and rt.device().control_dirty
+    for _ in range(3):
+        outbuf.zero_()
+        x.copy_(torch.randn(ROWS, K, device="cuda").to(torch.bfloat16))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_base(x, w)), "the baseline's full result, from the first replay on"
 
 
 def test_gpu_no_host_sync_on_the_serving_path() -> None:
