@@ -1,4 +1,4 @@
-"""The statistics kernel's launch and the call path's record layout (``shadowd.hook.device`` uses them).
+"""The statistics kernel's launch and the call path's record layout (``shadowd.hook.cuda_call`` uses them).
 
 * :func:`launch_stats` — one launch of the fused statistics kernel (``shadowd.hook.triton_stats``): the tile
   from the output's static size (graph-safe), programmatic dependent launch on sm_90+, registers capped so

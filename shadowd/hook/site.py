@@ -25,7 +25,7 @@ sanitizer runs. The baseline always runs first, on the untouched inputs.
 
 Every callback the site does not own — candidate, oracle, sink, bundle writer — runs inside
 :meth:`ShadowSite._isolated`, the one place that handles what they raise. On CUDA tensors the
-call goes through ``shadowd.hook.device`` (graph-capturable, no host synchronisation).
+call goes through ``shadowd.hook.cuda_call`` (graph-capturable, no host synchronisation).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class ShadowSite:
         #: which the baseline reads its work size through device memory that the call's decision words
         #: ``sstate`` (device int64, set by the control kernel per replay) zero on replays that are not
         #: spot checks (``shadowd.hook.device.gated_copy``), so a captured graph's baseline does almost
-        #: nothing there (see shadowd.hook.device)
+        #: nothing there (see shadowd.hook.cuda_call)
         self.baseline_gate = baseline_gate
         #: validate mode under a CUDA graph: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)``
         #: returns the call's arguments with the candidate's work sizes replaced by new tensors from
@@ -192,7 +192,7 @@ class ShadowSite:
             rt.step += 1
         b = bucket or Bucket()
         if any(t.is_cuda for t in _tensors(args, kwargs)[:1]):
-            from shadowd.hook.device import device_call
+            from shadowd.hook.cuda_call import device_call
 
             return device_call(self, args, kwargs, layer, b)
         step = rt.step

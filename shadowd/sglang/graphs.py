@@ -1,7 +1,7 @@
 """CUDA graphs: is the shadow path safe to capture into SGLang's decode graph here? (startup check)
 
 Target verify is captured into the decode CUDA graph; on replay no Python runs. The hook's CUDA
-path (``shadowd.hook.device``) is built for that: device-side decisions and counters, pinned-host
+path (``shadowd.hook.cuda_call``) is built for that: device-side decisions and counters, pinned-host
 ring, no host synchronisation, so sampling, spot checks, the kill switch and the fallback all act
 on replay. What cannot be made safe, and is refused at startup (the server does not start, with a
 message naming the flag that turns decode graphs off):

@@ -203,6 +203,46 @@ out["oracle"] = {"returned": returned6, "n": len(recs6), "cand": [r["oracle_cand
                  "cand_ref": float((cand(x, w).reshape(-1)[:96] - ref6).abs().max()),
                  "base_ref": float((base(x, w).reshape(-1)[:96] - ref6).abs().max()),
                  "errors": s6.errors}
+# the hook's own failure (a launch of its kernels, a site's gate) never reaches the caller: the baseline's
+# result is served and the candidate disabled; what the baseline raises still reaches the caller
+import shadowd.hook.cuda_call as cc
+rt7 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+ds7 = rt7.device(); ds7.use_timer = False
+s7 = ShadowSite("t7", base, cand, runtime=rt7)
+real_launch = cc.launch_stats
+def broken_launch(*a, **k): raise RuntimeError("launch failed")
+cc.launch_stats = broken_launch
+try:
+    o7 = s7(x, w, layer=0, bucket=bk)
+finally:
+    cc.launch_stats = real_launch
+after7 = s7(x, w, layer=0, bucket=bk)
+out["hook_failure"] = {"returned": torch.equal(o7, base(x, w)), "disabled": rt7.disabled,
+                       "reason": rt7.disabled_reason, "after": torch.equal(after7, base(x, w))}
+def bad_base(x, w): raise ValueError("baseline says no")
+rt8 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+ds8 = rt8.device(); ds8.use_timer = False
+try:
+    ShadowSite("t8", bad_base, cand, runtime=rt8)(x, w, layer=0, bucket=bk)
+    out["baseline_error"] = None
+except ValueError as e:
+    out["baseline_error"] = str(e)
+out["baseline_error_disabled"] = rt8.disabled
+@contextlib.contextmanager
+def bad_gate(sstate, args, kwargs):
+    raise RuntimeError("gate broke")
+    yield
+base_calls = []
+def counted_base(x, w):
+    base_calls.append(1)
+    return base(x, w)
+rt9 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
+ds9 = rt9.device(); ds9.use_timer = False
+s9 = ShadowSite("t9", counted_base, cand, runtime=rt9, baseline_gate=bad_gate)
+CAPTURE[0] = True
+o9 = s9(x, w, layer=0, bucket=bk)
+CAPTURE[0] = False
+out["gate_failure"] = {"returned": torch.equal(o9, base(x, w)), "disabled": rt9.disabled, "base_calls": len(base_calls)}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -245,6 +285,12 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert o["cand"][0] is None and o["cand"][2] is None and o["base"][0] is None, o
     assert o["cand"][1] == o["cand"][3] == o["cand_ref"] > 0, o
     assert o["base"][1] == o["base"][3] == o["base_ref"] > 0, o
+    # the hook's own failures: the baseline served, the candidate disabled with the reason; the baseline's own
+    # exception reaches the caller unchanged (and disables nothing); a failing gate leaves one ungated baseline run
+    hf = r["hook_failure"]
+    assert hf["returned"] and hf["after"] and hf["disabled"] and "launch failed" in hf["reason"], hf
+    assert r["baseline_error"] == "baseline says no" and not r["baseline_error_disabled"], r
+    assert r["gate_failure"] == {"returned": True, "disabled": True, "base_calls": 1}, r["gate_failure"]
 
 
 def test_histogram_scheme_falls_back_where_its_shared_memory_does_not_fit() -> None:

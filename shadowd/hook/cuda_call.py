@@ -1,0 +1,243 @@
+"""One shadowed call on CUDA tensors: no host synchronisation, no per-call allocation in the statistics, and
+capturable in a CUDA graph (then no Python runs on replay). The state it uses is ``shadowd.hook.device``'s.
+
+Per call, on the current stream::
+
+    control kernel   reads the mode / sampling / spot-check / disabled / fallback state
+                     (the host's control word: an argument eagerly, its device mirror under a
+                     graph, plus device words), advances the device step and call counters,
+                     decides do_stats and use_cand for this call, stamps t0 (globaltimer)
+    baseline(...)
+    stamp kernel     t1
+    candidate(...)   on protected inputs (clones of small tensors)
+    stamp kernel     t2 (eager calls; under a graph the stats kernel reads t2 at its start)
+    stats kernel     fused statistics over the real rows only (count read from device memory;
+                     nothing when do_stats is 0): every program folds its partials into the
+                     site's accumulator row with atomics, and the program drawing the last
+                     ticket writes the ring slot in pinned host memory (record + metadata),
+                     runs the on-mode hard check (sticky device fallback flag), publishes the
+                     slot's sequence number last behind a system-scope release, and resets
+                     the accumulator for the next call
+    select kernel    (on mode only) the call's output: candidate, or baseline when use_cand is
+                     0 or the fallback flag is set (so a failing spot check returns the baseline)
+
+Eagerly, Python decides (``host_decides``): an unsampled validate call runs the baseline alone and
+an unchecked on-mode call the candidate alone. Under capture the kernels decide on every replay,
+so sampling, spot checks, the kill switch and the fallback all work without Python. A graph cannot
+skip a node, so a captured on-mode call runs the baseline too — unless the call site has a
+``baseline_gate`` (the SGLang verify site does): then a gate kernel hands the baseline zero work sizes
+(``gated_copy``) on replays that are neither spot checks nor fallbacks, and the graph runs at the
+candidate's speed; spot-check replays run both and are checked before the select kernel chooses.
+Without a gate both run on every replay, so every on-mode call is checked (hard limits,
+candidate-only non-finite) before its output is chosen. A record is published on spot-check steps
+and for every hard failure. Likewise, in validate mode, a call site with a ``candidate_gate`` (the SGLang
+verify site) hands the candidate zero work sizes on replays that do not compare it: unsampled calls, the
+kill switch, a disabled candidate — so sampling 1 in N under a graph saves the candidate's time on the
+other N − 1 replays, as it does eagerly. (In on mode the candidate is served on almost every replay, so it
+is not gated: two more launches per call would cost more than the rare replays they would idle.)
+:meth:`DeviceState.poll` (called by the streamer's thread) drains the ring into samples.
+
+Eager calls only (a replay runs no Python): oracle sampling — 1 in ``oracle_every`` sampled validate calls
+run the site's oracle, then candidate vs oracle and baseline vs oracle go through the statistics kernel as
+records of their own (``REC_ORACLE_*``, published before their call's record, which says they precede it),
+merged by :meth:`DeviceState.poll` into the call's sample (``oracle_cand_err`` / ``oracle_base_err``: max
+|side − oracle|, NaN where either holds a non-finite value); and repro bundles, taken by
+``shadowd.hook.capture`` (a failing call at once, a numeric breach on the next sampled call of that site and
+layer). Limits of the CUDA path today: a fractional ``SHADOWD_SAMPLE`` becomes 1-in-round(1/f) steps; timing
+comes from ``globaltimer`` stamps (graph-safe) rather than CUDA events; in eager on mode a fall-back found by
+a spot check takes effect on device for that call at once and for later calls when the streamer's thread next
+drains the ring.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import triton
+
+from shadowd.hook.device import DeviceState, Slot
+from shadowd.hook.diffstats import empty_stats
+from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats, pdl_options
+from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
+
+if TYPE_CHECKING:
+    from shadowd.hook.site import Bucket, ShadowSite
+
+__all__ = ["device_call"]
+
+log = logging.getLogger("shadowd.hook")
+BLOCK = 1024  # elements per program of the select kernel
+
+
+class _Progress:
+    """Where a call is, for :func:`device_call`'s handler: inside the baseline (its exception is the caller's), and
+    the baseline's ungated result once it has one."""
+
+    __slots__ = ("in_baseline", "out_b")
+
+    def __init__(self) -> None:
+        self.in_baseline = False
+        self.out_b: Any = None
+
+
+def _baseline(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], p: _Progress,
+              ungated: bool = True) -> Any:
+    p.in_baseline = True
+    out = site.baseline(*args, **kwargs)
+    p.in_baseline = False
+    if ungated:
+        p.out_b = out
+    return out
+
+
+def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket) -> Any:
+    """One shadowed call on CUDA tensors (eager or under CUDA-graph capture).
+
+    What the hook's own code raises here — the device state, a launch of its kernels, a site's gate — never
+    reaches the caller: the candidate is disabled for the process (reported, with the reason), and the baseline's
+    result is returned (a run of its own when the baseline had not run, or ran gated). What the baseline raises
+    is the caller's, as without the hook."""
+    p = _Progress()
+    try:
+        return _call(site, args, kwargs, layer, b, p)
+    except Exception as e:
+        if p.in_baseline:
+            raise
+        log.exception("shadowd: the hook's device path failed; serving the baseline")
+        site.rt.disable(f"hook error: {type(e).__name__}: {e}")
+        return p.out_b if p.out_b is not None else _baseline(site, args, kwargs, p)
+
+
+def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: torch.Tensor,
+                    out_b: torch.Tensor, slot: Slot, ds: DeviceState, b: Bucket) -> bool:
+    """Eager validate, 1 in ``oracle_every`` sampled calls: the site's oracle over the original inputs, then
+    candidate vs oracle and baseline vs oracle through the statistics kernel into the ring (fp32, no host
+    synchronisation). True when both records were launched (the call's own record then says so)."""
+    assert site.oracle is not None
+    ref = site.oracle(*args, **kwargs)
+    if not isinstance(ref, torch.Tensor) or ref.shape != out_b.shape or ref.device != out_b.device:
+        raise TypeError(f"oracle output: expected a tensor of shape {tuple(out_b.shape)} on {out_b.device}")
+    ref32 = ref.float()
+    cfg = site.rt.config
+    for kind, side in ((REC_ORACLE_CAND, out_c), (REC_ORACLE_BASE, out_b)):
+        launch_stats(side.float(), ref32, slot.acc, ds.ring, ds.ring_seq, slot.sstate, ds.dstate,
+                     valid_rows=b.valid_rows, hard_scaled=cfg.hard_scaled_max_abs, hard_rel_l2=cfg.hard_rel_l2,
+                     site_id=slot.site_id, kind=kind)
+    return True
+
+
+def _capture_after_fallback(site: ShadowSite, ds: DeviceState, key: int, args: tuple[Any, ...],
+                            kwargs: dict[str, Any], layer: int, b: Bucket, p: _Progress) -> Any:
+    """On mode after a fall-back, at a call site that the failure armed (eager): the failing call's inputs were
+    gone when the ring showed its failure, so the candidate runs once more beside the baseline, on protected
+    inputs, only to be snapshotted for a bundle; the baseline's result is returned. (A *disabled* candidate —
+    repeated errors, a modified input — never runs again.)"""
+    out_b = _baseline(site, args, kwargs, p)
+    cargs, ckwargs, watched = site._protect(args, kwargs)
+    out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
+    err = site._candidate_error(err, out_c, out_b, watched)
+    site._isolated("bundle", ds.captures.snapshot, site, key, layer, b, "on", args, kwargs, out_b,
+                   out_c if err is None else None, err)
+    return out_b
+
+
+def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket,
+          p: _Progress) -> Any:
+    rt = site.rt
+    ds: DeviceState = rt.device()
+    capturing = torch.cuda.is_current_stream_capturing()
+    code = rt.mode_code
+    blocked = rt.disabled or rt.fallback
+    if blocked:
+        if rt.fallback and not rt.disabled and not capturing and rt.config.bundle_dir is not None:
+            key = ds.slot(site, layer).site_id
+            if ds.captures.wants(key):
+                return _capture_after_fallback(site, ds, key, args, kwargs, layer, b, p)
+        return _baseline(site, args, kwargs, p)
+    host_decides, do_stats, use_cand = 1, 1, 0
+    if not capturing:
+        if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
+            if not rt.spot_checked(rt.step):
+                out, err = site._isolated("candidate", site.candidate, *args, **kwargs)
+                if err is None:
+                    return out
+                rt.fall_back(f"candidate {err}")
+                return _baseline(site, args, kwargs, p)
+            use_cand = 1
+        elif not rt.sampled(rt.step):
+            return _baseline(site, args, kwargs, p)
+    else:
+        host_decides = 0
+    if ds.control_dirty:  # a change made while this thread was capturing (or a failed push)
+        ds.push_control()
+    slot = ds.slot(site, layer)
+    slot.heads = max(1, b.heads)
+    # on mode captured with a baseline gate: the baseline works only on spot-check / fallback replays
+    gated = capturing and code == 2 and site.baseline_gate is not None
+    meta = b.meta
+    cfg = rt.config
+    control_kernel[(1,)](ds.dctrl, ds.word, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
+                         int(layer == site.first_layer), min(cfg.max_draft_tokens, 2**62),
+                         min(cfg.max_prefix_len, 2**62), host_decides, do_stats, use_cand, rt.step,
+                         b.batch_size, b.draft_tokens, b.prefix_len,
+                         HAS_META=meta is not None, USE_TIMER=ds.use_timer, GATED=int(gated), PDL=ds.pdl,
+                         **pdl_options(ds.pdl))
+    if gated:
+        assert site.baseline_gate is not None
+        with site.baseline_gate(slot.sstate, args, kwargs):
+            out_b = _baseline(site, args, kwargs, p, ungated=False)
+    else:
+        out_b = _baseline(site, args, kwargs, p)
+    stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer, PDL=ds.pdl, **pdl_options(ds.pdl))
+    if capturing and code == 1 and site.candidate_gate is not None:  # zero work on replays that do not use it
+        gargs, gkwargs = site.candidate_gate(slot.sstate, args, kwargs)
+        # the gate's outputs are already private copies: they are not cloned a second time
+        fresh = {id(x) for x in (*gargs, *gkwargs.values())} - {id(x) for x in (*args, *kwargs.values())}
+        cargs, ckwargs, watched = site._protect(gargs, gkwargs, fresh, batch=True)
+    else:
+        cargs, ckwargs, watched = site._protect(args, kwargs, batch=capturing)
+    out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
+    # under a graph the statistics kernel reads the candidate's end at its start (one node fewer); eagerly a
+    # stamp kernel follows the candidate at once, as the statistics kernel's start could wait for the host
+    # (an oracle run, a first call's compile) after the candidate has finished
+    if not capturing:
+        stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer, PDL=ds.pdl, **pdl_options(ds.pdl))
+    err = site._candidate_error(err, out_c, out_b, watched)
+    if err is not None:
+        site.consecutive_errors += 1
+        if site.consecutive_errors >= cfg.disable_after or capturing:
+            rt.disable(f"candidate {err}" + (" during graph capture" if capturing else ""))
+        if gated:
+            # this call's control kernel decides on replay before the failure, from the word as it was: it may
+            # gate the baseline above to nothing, so the layer's output is a baseline run of its own, ungated
+            out_b = _baseline(site, args, kwargs, p)
+        sample = site._sample(layer, b, empty_stats(out_b.numel()), error=err,
+                              mode="on" if code == 2 else "validate", cand_us=None, base_us=None)
+        site._isolated("sink", rt.emit, sample)
+        if cfg.bundle_dir is not None and not capturing:  # the failing call's inputs are still here
+            site._isolated("bundle", ds.captures.snapshot, site, slot.site_id, layer, b, sample["mode"], args, kwargs,
+                           out_b, out_c, err)
+        if code == 2 and not capturing:
+            rt.fall_back(f"spot check: {err}")
+        return out_b
+    kind = REC_MAIN
+    if not capturing and code == 1 and site.oracle is not None and cfg.oracle_every > 0:
+        site.oracle_calls += 1
+        if site.oracle_calls % cfg.oracle_every == 0:
+            done, _err = site._isolated("oracle", _oracle_records, site, args, kwargs, out_c, out_b, slot, ds, b)
+            kind = REC_MAIN_ORACLE if done else REC_MAIN
+    launch_stats(out_c, out_b, slot.acc, ds.ring, ds.ring_seq, slot.sstate, ds.dstate, valid_rows=b.valid_rows,
+                 hard_scaled=cfg.hard_scaled_max_abs, hard_rel_l2=cfg.hard_rel_l2, site_id=slot.site_id, kind=kind,
+                 stamp=capturing and ds.use_timer)
+    if cfg.bundle_dir is not None and not capturing and ds.captures.wants(slot.site_id):
+        site._isolated("bundle", ds.captures.snapshot, site, slot.site_id, layer, b,
+                       "on" if code == 2 else "validate", args, kwargs, out_b, out_c, None)
+    if code != 2:
+        return out_b
+    out = torch.empty_like(out_b)
+    n = out.numel()
+    select_kernel[(triton.cdiv(n, BLOCK),)](out, out_c.contiguous(), out_b.contiguous(), n, slot.sstate, ds.dstate,
+                                          BLOCK=BLOCK, PDL=ds.pdl, **pdl_options(ds.pdl))
+    return out
