@@ -146,8 +146,12 @@ def _capture_after_fallback(site: ShadowSite, ds: DeviceState, key: int, args: t
 def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket,
           p: _Progress) -> Any:
     rt = site.rt
-    ds: DeviceState = rt.device()
     capturing = torch.cuda.is_current_stream_capturing()
+    if capturing and not rt.has_device:
+        # its counters and scratch would be allocated from the graph's pool and zeroed on every replay
+        raise RuntimeError("the hook's device state cannot be created during graph capture: make one eager "
+                           "call first (SGLang's graph runner does, in its warm-up)")
+    ds: DeviceState = rt.device()
     code = rt.mode_code
     blocked = rt.disabled or rt.fallback
     if blocked:

@@ -112,6 +112,11 @@ class HookRuntime:
         if sink is not None:
             sink(sample)
 
+    @property
+    def has_device(self) -> bool:
+        """Whether the device state exists (created by the first CUDA call)."""
+        return self._device is not None
+
     def device(self) -> Any:
         """The shared device state (lazily; needs CUDA and Triton). Its ring is drained by the streamer's
         thread when one is attached, else by :meth:`drain_device`."""

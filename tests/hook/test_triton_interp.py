@@ -243,6 +243,13 @@ CAPTURE[0] = True
 o9 = s9(x, w, layer=0, bucket=bk)
 CAPTURE[0] = False
 out["gate_failure"] = {"returned": torch.equal(o9, base(x, w)), "disabled": rt9.disabled, "base_calls": len(base_calls)}
+# a first CUDA call under capture cannot create the device state (it would live in the graph's pool)
+rt10 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+CAPTURE[0] = True
+o10 = ShadowSite("t10", base, cand, runtime=rt10)(x, w, layer=0, bucket=bk)
+CAPTURE[0] = False
+out["first_call_captured"] = {"returned": torch.equal(o10, base(x, w)), "disabled": rt10.disabled,
+                              "reason": rt10.disabled_reason, "device": rt10.has_device}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -291,6 +298,8 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert hf["returned"] and hf["after"] and hf["disabled"] and "launch failed" in hf["reason"], hf
     assert r["baseline_error"] == "baseline says no" and not r["baseline_error_disabled"], r
     assert r["gate_failure"] == {"returned": True, "disabled": True, "base_calls": 1}, r["gate_failure"]
+    fc = r["first_call_captured"]
+    assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 
 
 def test_histogram_scheme_falls_back_where_its_shared_memory_does_not_fit() -> None:
