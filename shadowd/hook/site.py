@@ -15,8 +15,8 @@
   baseline (and shadowed as in validate, to gather coverage).
 
 How the candidate is kept from modifying inputs: tensor arguments up to ``clone_max_bytes``
-(q, indices, masks) are passed to the candidate as clones (under graph capture the small ones are
-copied together, one graph node: :func:`clone_many`), so it never sees the real tensors;
+(q, indices, masks) are passed to the candidate as clones (under graph capture all in one graph node:
+``shadowd.hook.copies``), so it never sees the real tensors;
 larger ones, and those the site names ``shared`` (the KV cache), are shared, and their autograd
 version counter is compared before and after the candidate: a torch in-place write is detected, recorded as
 ``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
+from shadowd.hook.copies import clone_many
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["BATCH_CLONE_MAX_BYTES", "Bucket", "BundleArgs", "CandidateGate", "ShadowSite", "clone_many",
-           "max_abs_chunked"]
+__all__ = ["Bucket", "BundleArgs", "CandidateGate", "ShadowSite", "max_abs_chunked"]
 
 log = logging.getLogger("shadowd.hook")
 
@@ -53,36 +53,6 @@ CandidateGate = Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], tuple[
 #: ``bundle_args(args, kwargs, max_bytes) -> (args, kwargs, refs) | None``, see :class:`ShadowSite`
 BundleArgs = Callable[[tuple[Any, ...], dict[str, Any], int],
                       "tuple[tuple[Any, ...], dict[str, Any], dict[str, str]] | None"]
-
-
-#: inputs up to this size are copied together by :func:`clone_many` (``torch._foreach_copy_`` gives each 256 KB
-#: chunk of a tensor to one thread block, so a large tensor copies faster in a launch of its own)
-BATCH_CLONE_MAX_BYTES = 1 << 16
-
-
-def clone_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Private copies of ``xs``, each like ``x.detach().clone()``. On CUDA the small dense ones (up to
-    :data:`BATCH_CLONE_MAX_BYTES`) whose bytes are whole 4-byte words are copied by one ``torch._foreach_copy_``
-    over int32 views: one launch (one graph node) where a clone each cost a launch per tensor; the others (a
-    large q, a strided view, an odd-length byte mask) are cloned one by one."""
-    out = [x.detach() for x in xs]
-    srcs: list[torch.Tensor] = []
-    dsts: list[torch.Tensor] = []
-    for i, x in enumerate(out):
-        nbytes = x.numel() * x.element_size()
-        if (x.is_cuda and 0 < nbytes <= BATCH_CLONE_MAX_BYTES and nbytes % 4 == 0 and x.is_contiguous()
-                and x.storage_offset() * x.element_size() % 4 == 0):
-            y = torch.empty_like(x)
-            srcs.append(x.view(-1).view(torch.int32))
-            dsts.append(y.view(-1).view(torch.int32))
-            out[i] = y
-        else:
-            out[i] = x.clone()
-    if len(srcs) > 1:
-        torch._foreach_copy_(dsts, srcs)
-    elif srcs:
-        dsts[0].copy_(srcs[0])
-    return out
 
 
 @dataclass

@@ -644,11 +644,11 @@ def test_gpu_clone_many_copies_every_kind_of_input_privately() -> None:
     """The candidate's input copies (one launch for the dense word-sized ones): equal values, dtypes, shapes and
     strides, separate memory, for the argument kinds of the SGLang site — bf16 q, a draft k and its strided v
     view, int32 indices, an odd-length bool mask, int64 pointers, an empty tensor — and views at offsets."""
-    from shadowd.hook.site import clone_many
+    from shadowd.hook.copies import clone_many
 
     k = torch.randn(7, 1, 576, device="cuda").to(torch.bfloat16)
     xs = [torch.randn(7, 8, 576, device="cuda").to(torch.bfloat16), k, k[..., :512],
-          torch.randn(64, 8, 576, device="cuda").to(torch.bfloat16),  # beyond BATCH_CLONE_MAX_BYTES
+          torch.randn(64, 8, 576, device="cuda").to(torch.bfloat16),  # 590 KB: ten pieces
           torch.randint(0, 1 << 30, (4099,), dtype=torch.int32, device="cuda"),
           torch.rand(37, device="cuda") < 0.5, torch.arange(9, dtype=torch.int64, device="cuda"),
           torch.empty(0, 576, device="cuda"), torch.arange(64, dtype=torch.int32, device="cuda")[5:50],
@@ -657,7 +657,7 @@ def test_gpu_clone_many_copies_every_kind_of_input_privately() -> None:
     ys = clone_many(xs)
     for x, y, b in zip(xs, ys, before, strict=True):
         assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, b)
-        assert y.is_contiguous() or y.stride() == x.stride()
+        assert y.stride() == x.stride() or (y.is_contiguous() and not x.is_contiguous())
         assert y.numel() == 0 or y.data_ptr() != x.data_ptr()
     for y in ys:  # writing the copies leaves the inputs untouched
         y.zero_() if y.dtype != torch.bool else y.fill_(True)
