@@ -6,6 +6,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -271,19 +272,10 @@ def test_gpu_on_mode_spot_check_and_fallback_on_replay() -> None:
     assert torch.equal(out, gpu_base(x, w))
 
 
-def test_gpu_gated_on_mode_baseline_works_only_on_spot_checks() -> None:
-    """A site with a baseline gate (as SGLang's verify site): on replays that are not spot checks the
-    baseline sees zero work sizes; spot checks run it fully, and a fallback makes it serve again."""
+def _sizes_gate(sizes: list[torch.Tensor]) -> Any:
+    """A baseline gate like the SGLang site's: while the baseline runs, the work size it reads on the device
+    (``sizes[0]``) is a copy that holds zeros on replays that gate the baseline off."""
     from shadowd.hook.device import gated_copy
-
-    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=2)
-    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
-    worked = torch.zeros(1, dtype=torch.int64, device="cuda")
-
-    def base_sized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        work = sizes[0][:1] != 0  # read on the device, like SGLang's kernels read qo_indptr
-        worked.add_(work.to(torch.int64))
-        return (gpu_base(a, b).float() * work.float()).to(torch.bfloat16)
 
     @contextlib.contextmanager
     def gate(flag: torch.Tensor, args: tuple, kwargs: dict) -> Iterator[None]:
@@ -293,6 +285,23 @@ def test_gpu_gated_on_mode_baseline_works_only_on_spot_checks() -> None:
             yield
         finally:
             sizes[0] = real
+
+    return gate
+
+
+def test_gpu_gated_on_mode_baseline_works_only_on_spot_checks() -> None:
+    """A site with a baseline gate (as SGLang's verify site): on replays that are not spot checks the
+    baseline sees zero work sizes; spot checks run it fully, and a fallback makes it serve again."""
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=2)
+    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
+    worked = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def base_sized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        work = sizes[0][:1] != 0  # read on the device, like SGLang's kernels read qo_indptr
+        worked.add_(work.to(torch.int64))
+        return (gpu_base(a, b).float() * work.float()).to(torch.bfloat16)
+
+    gate = _sizes_gate(sizes)
 
     scale = torch.ones(1, device="cuda")
     site.baseline, site.baseline_gate = base_sized, gate
@@ -415,8 +424,6 @@ def test_gpu_on_mode_candidate_failing_during_capture_serves_the_baseline_at_onc
     """On mode with a baseline gate: a candidate that raises during capture is disabled, and the very first
     replays — before any poll has pushed the word — serve the baseline's full result at that layer, never the
     gated (idle) baseline's buffer."""
-    from shadowd.hook.device import gated_copy
-
     rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)
     sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
     outbuf = torch.zeros(ROWS, N, dtype=torch.bfloat16, device="cuda")
@@ -426,14 +433,7 @@ def test_gpu_on_mode_candidate_failing_during_capture_serves_the_baseline_at_onc
         outbuf.mul_(1 - work).add_(gpu_base(a, b) * work)  # an idle baseline leaves its buffer as it was
         return outbuf
 
-    @contextlib.contextmanager
-    def gate(flag: torch.Tensor, args: tuple, kwargs: dict) -> Iterator[None]:
-        real = sizes[0]
-        sizes[0] = gated_copy(real, flag)
-        try:
-            yield
-        finally:
-            sizes[0] = real
+    gate = _sizes_gate(sizes)
 
     fail = [False]
 
