@@ -146,6 +146,8 @@ def _capture_after_fallback(site: ShadowSite, ds: DeviceState, key: int, args: t
 def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket,
           p: _Progress) -> Any:
     rt = site.rt
+    if rt.disabled:  # nothing of the hook runs (nor is its device state made: a fault there disabled it)
+        return _baseline(site, args, kwargs, p)
     capturing = torch.cuda.is_current_stream_capturing()
     if capturing and not rt.has_device:
         # its counters and scratch would be allocated from the graph's pool and zeroed on every replay
