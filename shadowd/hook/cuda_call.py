@@ -96,7 +96,8 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     """One shadowed call on CUDA tensors (eager or under CUDA-graph capture).
 
     What the hook's own code raises here — the device state, a launch of its kernels, a site's gate — never
-    reaches the caller: the candidate is disabled for the process (reported, with the reason), and the baseline's
+    reaches the caller: the candidate is disabled for the process (with the reason, and one sample whose error
+    is ``hook:<exception type>``, so the collector sees it and no verdict passes over it), and the baseline's
     result is returned (a run of its own when the baseline had not run, or ran gated). What the baseline raises
     is the caller's, as without the hook."""
     p = _Progress()
@@ -105,9 +106,15 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     except Exception as e:
         if p.in_baseline:
             raise
+        rt = site.rt
         log.exception("shadowd: the hook's device path failed; serving the baseline")
-        site.rt.disable(f"hook error: {type(e).__name__}: {e}")
-        return p.out_b if p.out_b is not None else _baseline(site, args, kwargs, p)
+        rt.disable(f"hook error: {type(e).__name__}: {e}")
+        out = p.out_b if p.out_b is not None else _baseline(site, args, kwargs, p)
+        numel = out.numel() if isinstance(out, torch.Tensor) else 0
+        sample = site._sample(layer, b, empty_stats(numel), error=f"hook:{type(e).__name__}",
+                              mode="on" if rt.mode_code == 2 else "validate", cand_us=None, base_us=None)
+        site._isolated("sink", rt.emit, sample)
+        return out
 
 
 def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: torch.Tensor,

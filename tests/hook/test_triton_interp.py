@@ -206,7 +206,8 @@ out["oracle"] = {"returned": returned6, "n": len(recs6), "cand": [r["oracle_cand
 # the hook's own failure (a launch of its kernels, a site's gate) never reaches the caller: the baseline's
 # result is served and the candidate disabled; what the baseline raises still reaches the caller
 import shadowd.hook.cuda_call as cc
-rt7 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+samples7 = []
+rt7 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=samples7.append)
 ds7 = rt7.device(); ds7.use_timer = False
 s7 = ShadowSite("t7", base, cand, runtime=rt7)
 real_launch = cc.launch_stats
@@ -218,7 +219,8 @@ finally:
     cc.launch_stats = real_launch
 after7 = s7(x, w, layer=0, bucket=bk)
 out["hook_failure"] = {"returned": torch.equal(o7, base(x, w)), "disabled": rt7.disabled,
-                       "reason": rt7.disabled_reason, "after": torch.equal(after7, base(x, w))}
+                       "reason": rt7.disabled_reason, "after": torch.equal(after7, base(x, w)),
+                       "samples": [s["error"] for s in samples7]}
 def bad_base(x, w): raise ValueError("baseline says no")
 rt8 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
 ds8 = rt8.device(); ds8.use_timer = False
@@ -298,6 +300,7 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     # exception reaches the caller unchanged (and disables nothing); a failing gate leaves one ungated baseline run
     hf = r["hook_failure"]
     assert hf["returned"] and hf["after"] and hf["disabled"] and "launch failed" in hf["reason"], hf
+    assert hf["samples"] == ["hook:RuntimeError"], "one sample tells the collector"
     assert r["baseline_error"] == "baseline says no" and not r["baseline_error_disabled"], r
     assert r["gate_failure"] == {"returned": True, "disabled": True, "base_calls": 1}, r["gate_failure"]
     fc = r["first_call_captured"]
