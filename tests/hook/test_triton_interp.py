@@ -254,6 +254,31 @@ CAPTURE[0] = False
 o10b = s10(x, w, layer=0, bucket=bk)  # disabled: baseline only, no device state made afterwards either
 out["first_call_captured"] = {"returned": torch.equal(o10, base(x, w)) and torch.equal(o10b, base(x, w)),
                               "disabled": rt10.disabled, "reason": rt10.disabled_reason, "device": rt10.has_device}
+# a push does not hold the word's lock while it launches: another thread's write during it (the kill switch
+# arriving while a push compiles its kernel, say) neither waits nor is lost
+import threading
+real_mirror = dev.mirror_kernel
+class SlowMirror:
+    writer_finished = None
+    raced = False
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            if not self.raced:  # the first launch only: the writer's own push launches plainly
+                self.raced = True
+                t = threading.Thread(target=rt11.set_override, args=("off",))
+                t.start()
+                t.join(10)
+                self.writer_finished = not t.is_alive()
+            return real_mirror[grid](*a, **k)
+        return launch
+rt11 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+ds11 = rt11.device()
+slow = SlowMirror()
+dev.mirror_kernel = slow
+first11 = ds11.push_control()
+dev.mirror_kernel = real_mirror
+out["push_race"] = {"first": first11, "writer_finished": slow.writer_finished, "dirty": ds11.control_dirty,
+                    "mirror_is_word": int(ds11.dctrl[0]) == int(ds11.hctrl[0]), "mode": int(ds11.dctrl[0]) & 3}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -303,6 +328,8 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert hf["samples"] == ["hook:RuntimeError"], "one sample tells the collector"
     assert r["baseline_error"] == "baseline says no" and not r["baseline_error_disabled"], r
     assert r["gate_failure"] == {"returned": True, "disabled": True, "base_calls": 1}, r["gate_failure"]
+    assert r["push_race"] == {"first": True, "writer_finished": True, "dirty": False, "mirror_is_word": True,
+                              "mode": 0}, r["push_race"]
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 
