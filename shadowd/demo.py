@@ -61,7 +61,8 @@ def _start_collector(db_url: str, port: int, log_path: Path) -> subprocess.Popen
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_up(client: CollectorClient, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> bool:
+def _wait_up(client: CollectorClient, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> bool:
+    # (a collector that died is seen at once; a slow start on a loaded 2-core machine is waited for)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
