@@ -106,15 +106,9 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
     except Exception as e:
         if p.in_baseline:
             raise
-        rt = site.rt
-        log.exception("shadowd: the hook's device path failed; serving the baseline")
-        rt.disable(f"hook error: {type(e).__name__}: {e}")
+        site.rt.disable(f"hook error: {type(e).__name__}: {e}")  # (first: the baseline run below may raise too)
         out = p.out_b if p.out_b is not None else _baseline(site, args, kwargs, p)
-        numel = out.numel() if isinstance(out, torch.Tensor) else 0
-        sample = site._sample(layer, b, empty_stats(numel), error=f"hook:{type(e).__name__}",
-                              mode="on" if rt.mode_code == 2 else "validate", cand_us=None, base_us=None)
-        site._isolated("sink", rt.emit, sample)
-        return out
+        return site._hook_fault(e, layer, b, "on" if site.rt.mode_code == 2 else "validate", out)
 
 
 def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: torch.Tensor,

@@ -223,10 +223,32 @@ class ShadowSite:
         return None
 
     def _shadow(self, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket, mode: str) -> Any:
-        rt = self.rt
         t0 = time.perf_counter_ns()
-        out_b = self.baseline(*args, **kwargs)
-        t1 = time.perf_counter_ns()
+        out_b = self.baseline(*args, **kwargs)  # what it raises is the caller's, as without the hook
+        base_us = (time.perf_counter_ns() - t0) / 1e3
+        try:
+            return self._compare(args, kwargs, layer, b, mode, out_b, base_us)
+        except Exception as e:
+            return self._hook_fault(e, layer, b, mode, out_b)
+
+    def _hook_fault(self, err: Exception, layer: int, b: Bucket, mode: str, out_b: Any) -> Any:
+        """The one place for what the hook's own code raised during a call (not the candidate's, the oracle's or
+        a sink's: :meth:`_isolated` has those): the candidate is disabled for the process with the reason, the
+        traceback logged, one sample with error ``hook:<exception type>`` sent (the verdict counts it as a hard
+        failure), and the baseline's result ``out_b`` returned."""
+        rt = self.rt
+        log.error("shadowd: the hook failed; serving the baseline", exc_info=err)
+        rt.disable(f"hook error: {type(err).__name__}: {err}")
+        numel = out_b.numel() if isinstance(out_b, torch.Tensor) else 0
+        sample = self._sample(layer, b, empty_stats(numel), error=f"hook:{type(err).__name__}", mode=mode,
+                              cand_us=None, base_us=None)
+        self._isolated("sink", rt.emit, sample)
+        return out_b
+
+    def _compare(self, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket, mode: str, out_b: Any,
+                 base_us: float) -> Any:
+        # _shadow after the baseline: the candidate on protected inputs, the statistics, the sample, the result
+        rt = self.rt
         cargs, ckwargs, watched = self._protect(args, kwargs)
         t2 = time.perf_counter_ns()
         out_c, err = self._isolated("candidate", self.candidate, *cargs, **ckwargs)
@@ -255,8 +277,8 @@ class ShadowSite:
             self.oracle_calls += 1
             if self.oracle_calls % rt.config.oracle_every == 0:
                 oracle_errs = self._oracle(args, kwargs, out_c, out_b)
-        sample = self._sample(layer, b, stats, error=err, mode=mode, cand_us=(t3 - t2) / 1e3,
-                              base_us=(t1 - t0) / 1e3, oracle=oracle_errs)
+        sample = self._sample(layer, b, stats, error=err, mode=mode, cand_us=(t3 - t2) / 1e3, base_us=base_us,
+                              oracle=oracle_errs)
         self._isolated("sink", rt.emit, sample)
         tol = stats["rel_l2"] > rt.config.bundle_rel_l2
         if rt.config.bundle_dir is not None and (hard or tol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -246,3 +247,32 @@ def test_bundle_saved_bounded_and_replayed(tmp_path: Path) -> None:
     assert res["rerun"]["cand_nonfinite"] == 1 and res["reproducible"] == {"baseline": 0.0, "candidate": 0.0}
     assert res["oracle"]["baseline_err"] > 0
     assert "candidate-only non-finite 1" in format_report(res)
+
+
+def test_a_fault_of_the_hook_itself_serves_the_baseline_and_is_reported() -> None:
+    """What the hook's own code raises after the baseline (here: copying the candidate's inputs) never reaches
+    the caller: the baseline's result is returned, the candidate disabled with the reason, and one sample says
+    ``hook:<type>``; later calls are the baseline alone."""
+    rt, samples = make_runtime("validate")
+    site = ShadowSite("t", base_fn, cand_fn, runtime=rt)
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise MemoryError("no room for the copies")
+
+    site._protect = broken  # type: ignore[method-assign]
+    x, w = inputs()
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+    assert rt.disabled and "MemoryError" in (rt.disabled_reason or "")
+    assert [s["error"] for s in samples] == ["hook:MemoryError"]
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w)) and len(samples) == 1
+
+
+def test_what_the_baseline_raises_reaches_the_caller_unchanged() -> None:
+    rt, samples = make_runtime("validate")
+
+    def bad_base(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        raise ValueError("baseline says no")
+
+    with pytest.raises(ValueError, match="baseline says no"):
+        ShadowSite("t", bad_base, cand_fn, runtime=rt)(*inputs(), layer=0)
+    assert not rt.disabled and samples == []
