@@ -287,12 +287,12 @@ class Store:
 
         if self.store_samples:
             self._insert_samples(cur, job, int(claimed[0]))
-        self._upserter.upsert(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
-                     greatest=(*MAXES, "last_ts"), least=("first_ts",))
-        self._upserter.upsert(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
-        self._upserter.upsert(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
-        self._upserter.upsert(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
-                     least=("first_ts",))
+        up = self._upserter.upsert
+        up(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
+           greatest=(*MAXES, "last_ts"), least=("first_ts",))
+        up(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
+        up(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
+        up(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",), least=("first_ts",))
         policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
         cur.execute(q["run_update"], (
             r["n_samples"], r["n_errors"], r["n_cand_nonfinite"], r["n_base_nonfinite"], r["n_exceed"],

@@ -7,8 +7,9 @@
 * :func:`stats_torch` — the diff statistics (CPU); the fused GPU pass lives in
   ``shadowd.hook.triton_stats`` (its histogram in ``triton_hist``, its accumulator row and last
   program's record in ``triton_record``), the graph path's control kernels in
-  ``triton_control``, the statistics kernel's launch in ``shadowd.hook.launch`` and the CUDA call path
-  in ``shadowd.hook.device`` (both imported only on CUDA), repro bundles of CUDA calls in
+  ``triton_control``, the statistics kernel's launch in ``shadowd.hook.launch``, the CUDA call path in
+  ``shadowd.hook.cuda_call`` and its device state in ``shadowd.hook.device`` (imported only on CUDA), the
+  candidate's input copies under capture in ``shadowd.hook.copies``, repro bundles of CUDA calls in
   ``shadowd.hook.capture``;
 * :func:`replay_bundle` — rerun a repro bundle (``shadowd.hook.replay``).
 

@@ -59,7 +59,7 @@ import triton
 
 from shadowd.hook.device import DeviceState, Slot
 from shadowd.hook.diffstats import empty_stats
-from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats, pdl_options
+from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats
 from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:
@@ -190,14 +190,14 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
                          min(cfg.max_prefix_len, 2**62), host_decides, do_stats, use_cand, rt.step,
                          b.batch_size, b.draft_tokens, b.prefix_len,
                          HAS_META=meta is not None, USE_TIMER=ds.use_timer, GATED=int(gated), PDL=ds.pdl,
-                         **pdl_options(ds.pdl))
+                         **ds.pdl_opts)
     if gated:
         assert site.baseline_gate is not None
         with site.baseline_gate(slot.sstate, args, kwargs):
             out_b = _baseline(site, args, kwargs, p, ungated=False)
     else:
         out_b = _baseline(site, args, kwargs, p)
-    stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer, PDL=ds.pdl, **pdl_options(ds.pdl))
+    stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer, PDL=ds.pdl, **ds.pdl_opts)
     if capturing and code == 1 and site.candidate_gate is not None:  # zero work on replays that do not use it
         gargs, gkwargs = site.candidate_gate(slot.sstate, args, kwargs)
         # the gate's outputs are already private copies: they are not cloned a second time
@@ -210,7 +210,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     # stamp kernel follows the candidate at once, as the statistics kernel's start could wait for the host
     # (an oracle run, a first call's compile) after the candidate has finished
     if not capturing:
-        stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer, PDL=ds.pdl, **pdl_options(ds.pdl))
+        stamp_kernel[(1,)](slot.sstate, 8, USE_TIMER=ds.use_timer, PDL=ds.pdl, **ds.pdl_opts)
     err = site._candidate_error(err, out_c, out_b, watched)
     if err is not None:
         site.consecutive_errors += 1
@@ -246,5 +246,5 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     out = torch.empty_like(out_b)
     n = out.numel()
     select_kernel[(triton.cdiv(n, BLOCK),)](out, out_c.contiguous(), out_b.contiguous(), n, slot.sstate, ds.dstate,
-                                          BLOCK=BLOCK, PDL=ds.pdl, **pdl_options(ds.pdl))
+                                          BLOCK=BLOCK, PDL=ds.pdl, **ds.pdl_opts)
     return out

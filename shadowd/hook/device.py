@@ -100,8 +100,9 @@ class DeviceState:
         self.slots: dict[tuple[int, int], Slot] = {}
         self.sites: list[tuple[ShadowSite, int]] = []
         self.use_timer = True
-        #: the hook's small kernels are launched with programmatic dependent launch (sm_90+)
+        #: the hook's small kernels are launched with programmatic dependent launch (sm_90+), with these options
         self.pdl = pdl_supported(self.device)
+        self.pdl_opts = pdl_options(self.pdl)
 
     def sync_host_control(self, rt: HookRuntime) -> None:
         """Write the host state into the control word (layout: ``triton_control.HOST_WORD``) and push it to the

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from shadowd.hook.diffstats import TINY
+from shadowd.hook.triton_control import pdl_wait
 from shadowd.hook.triton_hist import HB, bins, hist_add, hist_add_fast, hist_declare, hist_final, hist_init
 from shadowd.hook.triton_record import (
     A_HIST,
@@ -317,8 +318,7 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
     go = tl.load(sstate_ptr, cache_modifier=".cg") != 0
     ha, hb = hist_init(BLOCK // VEC, HIST, NW)  # while those reads are under way
     if PDL:  # programmatic dependent launch (sm_90+): the previous kernel's writes are visible after the wait
-        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
-                                  "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+        pdl_wait()
     t_end = tl.extra.cuda.globaltimer().to(tl.int64) if STAMP else 0
     if SPEC:  # small outputs without PDL: the first tile is read before the real count and the decision arrive
         c_nx, b_nx = _full_tile(c_ptr, b_ptr, pid, n_static.to(tl.int64), BLOCK, VEC)
