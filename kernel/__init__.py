@@ -102,6 +102,18 @@ def _sm_count(device: Any) -> int:
     return _SM_COUNT[idx]
 
 
+def _current_stream(q: torch.Tensor) -> int:
+    """The raw handle of q's device's current stream. torch's raw-stream query (the one Triton's launcher uses)
+    costs well under a microsecond; ``torch.cuda.current_stream(device)`` builds a Stream object (several µs of host
+    time per call), so it is only the fallback where the query is missing."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(q.get_device()))
+    return int(torch.cuda.current_stream(q.device).cuda_stream)
+
+
 def tree_verify(
     q: torch.Tensor,
     k_draft: torch.Tensor,
@@ -204,6 +216,6 @@ def tree_verify(
         heads,
         int(max_q_len),
         num_splits,
-        torch.cuda.current_stream(q.device).cuda_stream,
+        _current_stream(q),
     )
     return out

@@ -7,6 +7,8 @@ With ``require_cuda=False`` the device check is skipped, so the checks run on CP
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 INDEX_DTYPES = ("torch.int32", "torch.int64")
@@ -21,27 +23,38 @@ class ArgumentError(ValueError):
         self.argument = argument
 
 
-def _need(cond: bool, name: str, msg: str) -> None:
+def _need(cond: bool, name: str, msg: str | Callable[[], str]) -> None:
+    # a message that shows values is passed as a callable: it is formatted only when the check fails (the checks
+    # run on every call: formatting every message eagerly cost ~30 µs of host time per call)
     if not cond:
-        raise ArgumentError(name, msg)
+        raise ArgumentError(name, msg if isinstance(msg, str) else msg())
 
 
 def _tensor(x: Any, name: str) -> None:
     import torch
 
-    _need(isinstance(x, torch.Tensor), name, f"expected a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentError(name, f"expected a torch.Tensor, got {type(x).__name__}")
+
+
+@functools.cache
+def _dtypes(allowed: tuple[str, ...]) -> frozenset[Any]:
+    import torch
+
+    return frozenset(getattr(torch, a.removeprefix("torch.")) for a in allowed)
 
 
 def _dtype(x: Any, name: str, allowed: tuple[str, ...]) -> None:
-    _need(str(x.dtype) in allowed, name, f"dtype {x.dtype} not in {allowed}")
+    if x.dtype not in _dtypes(allowed):
+        raise ArgumentError(name, f"dtype {x.dtype} not in {allowed}")
 
 
 def _index(x: Any, name: str, length: int | None = None) -> None:
     _tensor(x, name)
     _dtype(x, name, INDEX_DTYPES)
-    _need(x.dim() == 1, name, f"expected 1-D, got shape {tuple(x.shape)}")
+    _need(x.dim() == 1, name, lambda: f"expected 1-D, got shape {tuple(x.shape)}")
     if length is not None:
-        _need(x.shape[0] == length, name, f"expected length {length}, got {x.shape[0]}")
+        _need(x.shape[0] == length, name, lambda: f"expected length {length}, got {x.shape[0]}")
     _need(x.shape[0] <= 1 or x.stride(0) == 1, name, "must be contiguous")
 
 
@@ -50,9 +63,9 @@ def _rows576(x: Any, name: str, d: int) -> int:
     _tensor(x, name)
     _dtype(x, name, ("torch.bfloat16",))
     ok = (x.dim() == 3 and x.shape[1] == 1 and x.shape[2] == d) or (x.dim() == 2 and x.shape[1] == d)
-    _need(ok, name, f"expected shape [rows, 1, {d}] or [rows, {d}], got {tuple(x.shape)}")
+    _need(ok, name, lambda: f"expected shape [rows, 1, {d}] or [rows, {d}], got {tuple(x.shape)}")
     _need(x.stride(-1) == 1, name, "last dim must be contiguous (stride 1)")
-    _need(x.stride(0) % 8 == 0, name, f"row stride {x.stride(0)} must be a multiple of 8 elements (16 B)")
+    _need(x.stride(0) % 8 == 0, name, lambda: f"row stride {x.stride(0)} must be a multiple of 8 elements (16 B)")
     return x.shape[0]
 
 
@@ -78,18 +91,18 @@ def validate_args(
     _tensor(q, "q")
     _dtype(q, "q", ("torch.bfloat16",))
     _need(
-        q.dim() == 3 and q.shape[2] == 576, "q", f"expected shape [tokens, heads, 576], got {tuple(q.shape)}"
+        q.dim() == 3 and q.shape[2] == 576, "q", lambda: f"expected shape [tokens, heads, 576], got {tuple(q.shape)}"
     )
     _need(q.shape[1] >= 1, "q", "needs at least one head")
     _need(q.stride(2) == 1, "q", "last dim must be contiguous (stride 1)")
     _need(
         q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0,
         "q",
-        f"token/head strides {q.stride()[:2]} must be multiples of 8 elements (16 B)",
+        lambda: f"token/head strides {q.stride()[:2]} must be multiples of 8 elements (16 B)",
     )
     total, heads = q.shape[0], q.shape[1]
     n_draft = _rows576(k_draft, "k_draft", 576)
-    _need(n_draft == total, "k_draft", f"expected {total} rows (one per q token), got {n_draft}")
+    _need(n_draft == total, "k_draft", lambda: f"expected {total} rows (one per q token), got {n_draft}")
     _rows576(kv_buffer, "kv_buffer", 576)
     _need(kv_buffer.shape[0] >= 1, "kv_buffer", "needs at least one slot")
     _index(qo_indptr, "qo_indptr")
@@ -103,7 +116,7 @@ def validate_args(
         _need(
             custom_mask.dim() == 1,
             "custom_mask",
-            f"expected flattened 1-D, got shape {tuple(custom_mask.shape)}",
+            lambda: f"expected flattened 1-D, got shape {tuple(custom_mask.shape)}",
         )
         _need(custom_mask.shape[0] <= 1 or custom_mask.stride(0) == 1, "custom_mask", "must be contiguous")
         _need(mask_indptr is not None, "mask_indptr", "required when custom_mask is given")
@@ -111,7 +124,7 @@ def validate_args(
     _need(
         isinstance(sm_scale, (int, float)) and math.isfinite(float(sm_scale)) and float(sm_scale) > 0,
         "sm_scale",
-        f"expected a finite positive float, got {sm_scale!r}",
+        lambda: f"expected a finite positive float, got {sm_scale!r}",
     )
     if out is not None:
         _tensor(out, "out")
@@ -119,7 +132,7 @@ def validate_args(
         _need(
             tuple(out.shape) == (total, heads, 512),
             "out",
-            f"expected shape {(total, heads, 512)}, got {tuple(out.shape)}",
+            lambda: f"expected shape {(total, heads, 512)}, got {tuple(out.shape)}",
         )
         _need(out.stride(2) == 1, "out", "last dim must be contiguous (stride 1)")
         _need(out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0, "out", "token/head strides must be even")
@@ -129,7 +142,7 @@ def validate_args(
         _need(
             tuple(lse.shape) == (total, heads),
             "lse",
-            f"expected shape {(total, heads)}, got {tuple(lse.shape)}",
+            lambda: f"expected shape {(total, heads)}, got {tuple(lse.shape)}",
         )
     if workspace is not None:
         _tensor(workspace, "workspace")
@@ -154,12 +167,13 @@ def validate_args(
         "error_flag": error_flag,
     }
     if require_cuda:
-        dev = q.device
+        dev = q.get_device() if q.is_cuda else None  # (is_cuda and get_device() are cheap; .device builds an object)
         for name, t in tensors.items():
-            if t is None:
+            if t is None or (t.is_cuda and t.get_device() == dev):
                 continue
-            _need(t.device.type == "cuda", name, f"must be a CUDA tensor, got device {t.device}")
-            _need(t.device == dev, name, f"on {t.device}, but q is on {dev}")
+            if not t.is_cuda:
+                raise ArgumentError(name, f"must be a CUDA tensor, got device {t.device}")
+            raise ArgumentError(name, f"on {t.device}, but q is on {q.device}")
     for name in ("q", "k_draft", "kv_buffer", "out"):
         t = tensors[name]
         if t is not None and t.numel() > 0:

@@ -87,6 +87,19 @@ def test_bad_output_is_named(name, val):
     assert ei.value.argument == name
 
 
+def test_messages_show_the_bad_values():
+    # the messages are formatted only when a check fails: they still carry the values that failed
+    a = _args()
+    with pytest.raises(ArgumentError, match=r"expected shape \[tokens, heads, 576\], got \(5, 2, 512\)"):
+        _check(q=a["q"][:, :, :512])
+    with pytest.raises(ArgumentError, match=r"kv_indptr.*expected length 3, got 2"):
+        _check(kv_indptr=a["kv_indptr"][:2])
+    with pytest.raises(ArgumentError, match=r"'sm_scale'.*got -1\.0"):
+        _check(sm_scale=-1.0)
+    with pytest.raises(ArgumentError, match=r"'out'.*expected shape \(5, 2, 512\), got \(5, 2, 511\)"):
+        _check(out=torch.empty(5, 2, 511, dtype=torch.bfloat16))
+
+
 def test_missing_mask_indptr_named():
     with pytest.raises(ArgumentError) as ei:
         _check(mask_indptr=None)
