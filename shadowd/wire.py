@@ -117,7 +117,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("base_nonfinite", "int", "positions non-finite in the baseline only (a baseline event)"),
     Column("hist", "int", f"list of {HIST_BINS} counts: log2 histogram of |diff| (see HIST_*); in msgpack also "
            f"packed: one bin value of n × {HIST_BINS} little-endian int64"),
-    Column("error", "str", "candidate failure marker: exception:<Type>, shape, dtype, ...", required=False,
+    Column("error", "str", "candidate failure marker: exception:<Type>, shape, dtype, candidate_flag:0x<bits>, ...",
+           required=False,
            nullable=True),
     Column("mode", "str", "hook mode of the call: validate or on", required=False, nullable=True),
     Column("oracle_cand_err", "float", "max |candidate - fp32 oracle|", required=False, nullable=True,

@@ -14,7 +14,8 @@ Per call, on the current stream::
     stats kernel     fused statistics over the real rows only (count read from device memory;
                      nothing when do_stats is 0): every program folds its partials into the
                      site's accumulator row with atomics, and the program drawing the last
-                     ticket writes the ring slot in pinned host memory (record + metadata),
+                     ticket writes the ring slot in pinned host memory (record + metadata, and
+                     the candidate's own error word when the site has one: ``candidate_flag``),
                      runs the on-mode hard check (sticky device fallback flag), publishes the
                      slot's sequence number last behind a system-scope release, and resets
                      the accumulator for the next call
@@ -111,6 +112,20 @@ def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any],
         return site._hook_fault(e, layer, b, "on" if site.rt.mode_code == 2 else "validate", out)
 
 
+def _flag_tensor(site: ShadowSite, device: torch.device) -> torch.Tensor | None:
+    """The site's ``candidate_flag`` on ``device`` when it is one (an int32 tensor there), else None (warned)."""
+    if site.candidate_flag is None:
+        return None
+    flag, err = site._isolated("candidate_flag", site.candidate_flag, device)
+    if flag is None or err is not None:
+        return None
+    if not isinstance(flag, torch.Tensor) or flag.dtype != torch.int32 or flag.device != device or flag.numel() < 1:
+        log.warning("shadowd[%s]: candidate_flag(%s) is not an int32 tensor on that device; not read", site.name,
+                    device)
+        return None
+    return flag
+
+
 def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: torch.Tensor,
                     out_b: torch.Tensor, slot: Slot, ds: DeviceState, b: Bucket) -> bool:
     """Eager validate, 1 in ``oracle_every`` sampled calls: the site's oracle over the original inputs, then
@@ -155,6 +170,9 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         raise RuntimeError("the hook's device state cannot be created during graph capture: make one eager "
                            "call first (SGLang's graph runner does, in its warm-up)")
     ds: DeviceState = rt.device()
+    if not site.flag_resolved and not capturing:  # looked up once, outside capture (the first call is eager)
+        site.flag_resolved = True
+        site.flag_tensor = _flag_tensor(site, ds.device)
     code = rt.mode_code
     blocked = rt.disabled or rt.fallback
     if blocked:
@@ -237,7 +255,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
             kind = REC_MAIN_ORACLE if done else REC_MAIN
     launch_stats(out_c, out_b, slot.acc, ds.ring, ds.ring_seq, slot.sstate, ds.dstate, valid_rows=b.valid_rows,
                  hard_scaled=cfg.hard_scaled_max_abs, hard_rel_l2=cfg.hard_rel_l2, site_id=slot.site_id, kind=kind,
-                 stamp=capturing and ds.use_timer)
+                 stamp=capturing and ds.use_timer, cand_flag=site.flag_tensor)
     if cfg.bundle_dir is not None and not capturing and ds.captures.wants(slot.site_id):
         site._isolated("bundle", ds.captures.snapshot, site, slot.site_id, layer, b,
                        "on" if code == 2 else "validate", args, kwargs, out_b, out_c, None)

@@ -210,13 +210,17 @@ class DeviceState:
         rt = self.rt
         site, layer = self.sites[int(rec[10])]
         flags = int(rec[4])
+        kflag = int(rec[12])  # the candidate's error word as the statistics kernel read it (0: none, or no flag)
         if flags & 4 and not rt.fallback:
-            rt.fall_back("device spot check: hard failure")
+            rt.fall_back("device spot check: " + (f"the candidate's error flag: {site.describe_flag(kflag)}" if kflag
+                                                  else "hard failure"))
         stats = finalize(rec[NMETA:])
         stats.pop("max_pos")
         cfg = rt.config
         if cfg.bundle_dir is not None and breach(stats, cfg.hard_scaled_max_abs, cfg.hard_rel_l2, cfg.bundle_rel_l2):
             self.captures.arm(int(rec[10]))  # the next sampled eager call there is snapshotted
+        # the candidate's kernels raised their error word (sticky): a candidate error, the candidate disabled
+        error = site.flag_error(kflag) if kflag else None
         if stats["cand_nonfinite"] > 0:
             site.consecutive_errors += 1
             if site.consecutive_errors >= rt.config.disable_after:
@@ -232,7 +236,7 @@ class DeviceState:
                      oracle_base_err=held.get(REC_ORACLE_BASE) if same_call else None)
         stats.update(layer=layer, rank=rt.config.rank, step=int(rec[2]), call=int(rec[1]), ts=time.time(),
                      batch_size=max(1, int(rec[7])), draft_tokens=max(1, int(rec[8])), prefix_len=int(rec[9]),
-                     heads=slot.heads, error=None, mode=_MODE_NAME.get(int(rec[3]), "validate"),
+                     heads=slot.heads, error=error, mode=_MODE_NAME.get(int(rec[3]), "validate"),
                      cand_us=cand_ns / 1e3 if timed else None, base_us=base_ns / 1e3 if timed else None)
         return stats
 

@@ -3,8 +3,8 @@
 * :func:`launch_stats` — one launch of the fused statistics kernel (``shadowd.hook.triton_stats``): the tile
   from the output's static size (graph-safe), programmatic dependent launch on sm_90+, registers capped so
   that the programs meant to share an SM fit it;
-* the ring record's layout: ``NMETA`` words of metadata (word 11: the record's kind, ``REC_*``), then the raw
-  statistics vector of ``shadowd.hook.diffstats``;
+* the ring record's layout: ``NMETA`` words of metadata (word 11: the record's kind, ``REC_*``; word 12: the
+  candidate's error flag), then the raw statistics vector of ``shadowd.hook.diffstats``;
 * :func:`gated_copy` — the work-size copies of baseline and candidate gates;
 * :func:`fused_raw_stats` — the raw vector of two device tensors (tests, benches).
 """
@@ -27,7 +27,9 @@ __all__ = ["HIST_MODE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC", "R
            "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for", "launch_stats",
            "new_accumulator", "pdl_options", "pdl_supported"]
 
-NMETA = 12  # record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind
+#: record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind, and the candidate's
+#: error flag as the call's statistics kernel read it (``launch_stats(cand_flag=...)``; 0 without one)
+NMETA = 13
 #: record kinds (word 11): candidate vs baseline; the same, preceded by this call's two oracle records
 #: (eager validate, 1 in ``oracle_every`` sampled calls); candidate vs oracle; baseline vs oracle
 REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_CAND, REC_ORACLE_BASE = range(4)
@@ -104,7 +106,7 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                  hard_scaled: float = 0.25, hard_rel_l2: float = 0.1, site_id: int = 0,
                  publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True,
                  hist_mode: int | None = None, spec: bool | None = None, pdl: bool | None = None,
-                 kind: int = REC_MAIN, stamp: bool = False) -> Any:
+                 kind: int = REC_MAIN, stamp: bool = False, cand_flag: torch.Tensor | None = None) -> Any:
     """Launch the statistics kernel (one launch; no sync, no allocation when inputs are contiguous).
 
     Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
@@ -116,6 +118,9 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     ``kind`` goes into the record's word 11 (``REC_*``: what the record compares). ``stamp``: the record's
     candidate time ends at this kernel's start (global timer, read after the PDL wait) instead of at the
     stamp kernel's ``sstate[8]`` — one launch fewer per call where the candidate directly precedes it.
+    ``cand_flag``: the candidate's own device error word (int32, bits its kernels OR in when they clamp bad
+    input; ``ShadowSite(candidate_flag=...)``), read after the wait by the finishing program: a non-zero word
+    goes into the record's word 12 and is a hard failure (on mode: the sticky device fallback).
 
     Contract under PDL: the kernel reads the decision word ``sstate[0]`` and ``valid_rows`` before it waits
     for the previous kernel, so the kernel directly before it on the stream must not write them (in the
@@ -145,9 +150,15 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
         opts["launch_pdl"] = True
     if spec is None:  # under PDL the decision is read before the wait: a speculative load gains nothing
         spec = n <= SPEC_NUMEL and not pdl
+    has_flag = cand_flag is not None
+    if cand_flag is not None and (cand_flag.dtype != torch.int32 or cand_flag.device != base.device
+                                  or cand_flag.numel() < 1):
+        raise ValueError(f"cand_flag: expected an int32 tensor of >= 1 element on {base.device}, got "
+                         f"{cand_flag.dtype} {tuple(cand_flag.shape)} on {cand_flag.device}")
     return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
                            sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
-                           hard_rel_l2 * hard_rel_l2, site_id, kind, HAS_VALID=has_valid, BLOCK=block, VEC=vec,
+                           hard_rel_l2 * hard_rel_l2, site_id, kind, cand_flag if has_flag else sstate,
+                           HAS_VALID=has_valid, HAS_FLAG=has_flag, BLOCK=block, VEC=vec,
                            HIST=mode, PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
                            SPEC=spec, POS=n <= POS_NUMEL,
                            PDL=pdl, ONE=nprog * block >= n, STAMP=stamp and not _INTERPRET, num_warps=warps,

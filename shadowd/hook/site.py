@@ -5,8 +5,9 @@
 * **off** — ``baseline(*args, **kwargs)``; one attribute check of overhead.
 * **validate** — the baseline runs and *its* result is returned, bit for bit. On sampled steps
   the candidate runs on the same inputs; diff statistics go to the sink. Candidate exceptions,
-  NaN/Inf, wrong shape or dtype, modified inputs become samples (``error``), never errors in
-  serving; ``disable_after`` consecutive candidate errors disable it for the process.
+  NaN/Inf, wrong shape or dtype, modified inputs, an error word raised by its kernels
+  (``candidate_flag``) become samples (``error``), never errors in serving; ``disable_after``
+  consecutive candidate errors disable it for the process (a modified input or a raised error word: at once).
 * **on** — the candidate's result is returned; every ``spot_every``-th step both run and are
   compared; a hard failure (candidate-only non-finite, max-abs or rel-L2 beyond the hard
   limits, an exception, a wrong shape/dtype) returns the baseline's result for that call and
@@ -44,12 +45,14 @@ from shadowd.hook.copies import clone_many
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "BundleArgs", "CandidateGate", "ShadowSite", "max_abs_chunked"]
+__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "max_abs_chunked"]
 
 log = logging.getLogger("shadowd.hook")
 
 #: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)``, see :class:`ShadowSite`
 CandidateGate = Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+#: ``candidate_flag(device) -> int32 tensor | None``: the candidate's own error word, see :class:`ShadowSite`
+CandidateFlag = Callable[[torch.device], "torch.Tensor | None"]
 #: ``bundle_args(args, kwargs, max_bytes) -> (args, kwargs, refs) | None``, see :class:`ShadowSite`
 BundleArgs = Callable[[tuple[Any, ...], dict[str, Any], int],
                       "tuple[tuple[Any, ...], dict[str, Any], dict[str, str]] | None"]
@@ -107,7 +110,8 @@ class ShadowSite:
                  refs: dict[str, str] | None = None,
                  baseline_gate: Callable[..., AbstractContextManager[Any]] | None = None,
                  candidate_gate: CandidateGate | None = None, bundle_args: BundleArgs | None = None,
-                 shared: Collection[int | str] = ()) -> None:
+                 shared: Collection[int | str] = (), candidate_flag: CandidateFlag | None = None,
+                 describe_flag: Callable[[int], str] | None = None) -> None:
         self.name = name
         self.baseline = baseline
         #: on mode under a CUDA graph: ``baseline_gate(sstate, args, kwargs)`` is a context manager in
@@ -126,6 +130,17 @@ class ShadowSite:
         #: returns the call's inputs in a self-contained, compact form — private device copies — with the
         #: ``refs`` that replay them, or None when they would exceed ``max_bytes``; default: every tensor copied
         self.bundle_args = bundle_args
+        #: ``candidate_flag(device)``: the int32 error word the candidate's kernels raise bits in when they clamp
+        #: bad input (``mla_tree_verify``'s ``error_flag``: sticky, never cleared by them), the same tensor the
+        #: candidate is given; a non-zero word is a candidate error (``candidate_flag:0x..``: the candidate is
+        #: disabled, in on mode the call falls back). On CUDA the statistics kernel reads it into the call's
+        #: record (no host synchronisation; under a graph on every replay that computes statistics), so bits
+        #: raised on an unsampled call are reported by the next sampled one. ``describe_flag`` names the bits.
+        self.candidate_flag = candidate_flag
+        self.describe_flag = describe_flag or (lambda v: f"0x{v:x}")
+        #: the CUDA path's ``candidate_flag(device)``, looked up on the site's first call outside graph capture
+        self.flag_tensor: torch.Tensor | None = None
+        self.flag_resolved = False
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()
@@ -213,6 +228,13 @@ class ShadowSite:
             self.rt.disable("candidate modified its inputs")
         return err if err is not None else self._check(out_c, out_b)
 
+    def flag_error(self, value: int) -> str:
+        """A non-zero error word of the candidate's (``candidate_flag``): the candidate is disabled for the process,
+        with the bits named; returns the sample's error, ``candidate_flag:0x<bits>``."""
+        if not self.rt.disabled:
+            self.rt.disable(f"the candidate's error flag: {self.describe_flag(value)}")
+        return f"candidate_flag:0x{value:x}"
+
     def _check(self, out_c: Any, out_b: Any) -> str | None:
         if not isinstance(out_c, torch.Tensor):
             return "type"
@@ -254,6 +276,11 @@ class ShadowSite:
         out_c, err = self._isolated("candidate", self.candidate, *cargs, **ckwargs)
         t3 = time.perf_counter_ns()
         err = self._candidate_error(err, out_c, out_b, watched)
+        if err is None and self.candidate_flag is not None:  # (CPU path: reading the word costs nothing here)
+            flag, ferr = self._isolated("candidate_flag", self.candidate_flag, out_b.device)
+            value = int(flag.reshape(-1)[0]) if ferr is None and isinstance(flag, torch.Tensor) and flag.numel() else 0
+            if value:
+                err = self.flag_error(value)
         valid = b.valid_rows if isinstance(b.valid_rows, int) else None
         row = out_b[0].numel() if out_b.dim() and out_b.shape[0] else 1
         valid_numel = None if valid is None else valid * row

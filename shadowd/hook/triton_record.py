@@ -4,8 +4,8 @@
 Every program of ``shadowd.hook.triton_stats``' kernel folds its partials into the row with atomics
 (layout below) and takes a ticket; the program drawing the last one calls :func:`finish_record`, which
 turns the row into the raw vector of ``shadowd.hook.diffstats``, resets the row for the next call, runs
-the on-mode hard-failure check (sticky device fallback flag) and writes the call's record into a ring
-slot, publishing its sequence number last.
+the on-mode hard-failure check (sticky device fallback flag; the candidate's error flag, when the site has one,
+is a hard failure) and writes the call's record into a ring slot, publishing its sequence number last.
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ ACC_C = tl.constexpr(ACC)
 
 
 @triton.jit
-def record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP: tl.constexpr):
+def record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP: tl.constexpr, flag_ptr, HAS_FLAG: tl.constexpr):
     """The words the finishing program needs besides the row, as a tuple: (use_cand, pub, seq, fb_old,
-    call, step, mode, baseline ns, candidate ns, batch, draft, prefix). Every program reads them before
+    call, step, mode, baseline ns, candidate ns, batch, draft, prefix, the candidate's error flag (0 without
+    one: HAS_FLAG)). Every program reads them before
     its ticket, so they arrive while the ticket's round trip is under way and the last program's chain
     is one read of the row. They are stable during the call: the control and stamp kernels wrote them
     before this kernel's first read, and only the last program writes ``dstate`` — after reading them.
@@ -76,8 +77,11 @@ def record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP: tl.constexpr):
     t0 = tl.load(sstate_ptr + 6)
     t1 = tl.load(sstate_ptr + 7)
     t2 = t_end if STAMP else tl.load(sstate_ptr + 8)
+    # the candidate's flag through L2 (its kernels OR bits in with device-scope atomics), after the wait
+    kflag = ((tl.load(flag_ptr, cache_modifier=".cg").to(tl.int64) & 0xFFFFFFFF) if HAS_FLAG
+             else tl.full([], 0, tl.int64))
     return (use_cand, pub, seq, fb_old, tl.load(sstate_ptr + 5), tl.load(sstate_ptr + 4), tl.load(sstate_ptr + 3),
-            t1 - t0, t2 - t1, tl.load(sstate_ptr + 9), tl.load(sstate_ptr + 10), tl.load(sstate_ptr + 11))
+            t1 - t0, t2 - t1, tl.load(sstate_ptr + 9), tl.load(sstate_ptr + 10), tl.load(sstate_ptr + 11), kflag)
 
 
 @triton.jit
@@ -90,7 +94,7 @@ def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec
     # fallback flag); the record into a ring slot, and the slot's sequence number last, behind a CTA
     # barrier and a system-scope fence. ``inputs``: :func:`record_inputs`; ``kind``: what the record compares
     # (``shadowd.hook.launch``'s REC_* codes: candidate vs baseline, or one side vs the oracle).
-    use_cand, pub, seq, fb_old, call, step, mode, base_ns, cand_ns, batch, draft, prefix = inputs
+    use_cand, pub, seq, fb_old, call, step, mode, base_ns, cand_ns, batch, draft, prefix, kflag = inputs
     key = tl.load(acc_ptr + A_KEY, cache_modifier=".cg")
     rel = tl.load(acc_ptr + A_REL, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
     outs = tl.load(acc_ptr + A_OUTS, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
@@ -134,7 +138,8 @@ def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec
     red = tl.where(rcol == R_BASE_NF, bnf.to(tl.float64), red)
     red = tl.where(rcol == R_NUMEL, n.to(tl.float64), red)
     red = tl.where(rcol == R_N_CMP, n_cmp.to(tl.float64), red)
-    hard = (cnf > 0) | (top > hard_scaled * tl.maximum(outs.to(tl.float64), TINY)) | (sd2 > hard_rel_l2_sq * sb2)
+    hard = ((cnf > 0) | (top > hard_scaled * tl.maximum(outs.to(tl.float64), TINY)) | (sd2 > hard_rel_l2_sq * sb2)
+            | (kflag != 0))
     if use_cand & hard:
         tl.store(dstate_ptr + 3, 1)
     # a record is published on sampled / spot-checked calls, and always for a hard failure that the
@@ -158,6 +163,7 @@ def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec
         tl.store(rec + 9, prefix.to(tl.float64))
         tl.store(rec + 10, site_id.to(tl.float64))
         tl.store(rec + 11, kind.to(tl.float64))
+        tl.store(rec + 12, kflag.to(tl.float64))
         tl.store(rec, seq.to(tl.float64))
         if PUBLISH:
             # every record store above happens-before the sequence number: CTA barrier, then a

@@ -294,8 +294,9 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
 
 @triton.jit(do_not_specialize=["n_static", "row_numel", "ring_size", "rec_size", "site_id", "kind"])
 def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_numel, sstate_ptr, rec_ptr, seq_ptr,
-                  ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id, kind,
-                  HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, HIST: tl.constexpr,
+                  ring_size, rec_size, dstate_ptr, hard_scaled, hard_rel_l2_sq, site_id, kind, flag_ptr,
+                  HAS_VALID: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                  HIST: tl.constexpr,
                   PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr, NW: tl.constexpr,
                   SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr, ONE: tl.constexpr,
                   STAMP: tl.constexpr):
@@ -353,7 +354,7 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
                 tl.atomic_add(acc_ptr + A_HIST + hbin, hist.to(tl.int64), mask=(hbin < HIST_BINS) & (hist != 0),
                               sem="relaxed")
         # the finishing program's other inputs, read while the ticket's round trip is under way
-        inputs = record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP)
+        inputs = record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP, flag_ptr, HAS_FLAG)
         # every thread's atomics are ordered before this program's ticket: a CTA barrier, then the
         # ticket's gpu-scope release by one thread (cumulative: it covers what the barrier ordered before
         # it, as in the CUDA grid-sync pattern); the program that draws the last ticket acquires them all

@@ -81,7 +81,8 @@ def hard_failures(r: RunRollups, p: Policy) -> Criterion:
     if nonfinite:
         parts.append(f"{nonfinite} calls non-finite in the candidate where the baseline is finite")
     if errors:
-        parts.append(f"{errors} candidate errors (exception, shape or dtype mismatch, or a fault of the hook itself)")
+        parts.append(f"{errors} candidate errors (exception, shape or dtype mismatch, an error flag raised by its "
+                     "kernels, or a fault of the hook itself)")
     status = FAIL if parts else PASS
     detail = "; ".join(parts) if parts else "no non-finite mismatches and no candidate errors"
     return Criterion("hard_failures", status, {"cand_nonfinite": nonfinite, "errors": errors},

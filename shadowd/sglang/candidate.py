@@ -19,7 +19,9 @@ clones of the small tensors and watch the large ones (the KV cache):
   bit: all-zero index pointers are consistent).
 * :func:`candidate` — ``mla_tree_verify.tree_verify`` on CUDA (reads the cache, never writes it;
   its own output tensor). On CPU (tests) the fp32 oracle ``mla_tree_verify.oracle`` stands in.
-  ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``).
+  ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``). On CUDA it is
+  passed :func:`error_flag`, the device word its kernels raise bits in when they clamp an out-of-range
+  index; the hook's statistics kernel reads it (:func:`describe_flag` names the bits).
 * :func:`oracle` — the site's reference for oracle sampling (``SHADOWD_ORACLE``, eager calls only):
   ``mla_tree_verify.oracle`` in float32 over the same inputs (it gathers only the rows a draft may see,
   the prefix in chunks of 4096 rows, so its memory stays bounded at 200k-token prefixes), ``[T, H*512]``
@@ -49,6 +51,8 @@ __all__ = [
     "candidate_fingerprint",
     "candidate_fn",
     "candidate_gate",
+    "describe_flag",
+    "error_flag",
     "oracle",
     "oracle_fp32",
 ]
@@ -145,9 +149,36 @@ def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     del v  # MLA: v is the first 512 columns of k (and of the cache rows)
     t = q.shape[0]
     fn = candidate_fn(q.is_cuda)
+    flag = error_flag(q.device) if q.is_cuda else None
+    extra = {"error_flag": flag} if flag is not None else {}
     out = fn(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
-             custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len)
+             custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len,
+             **extra)
     return out.view(t, call.heads * D_V)
+
+
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def error_flag(device: torch.device) -> torch.Tensor | None:
+    """The candidate's device error word on ``device`` (``tree_verify``'s ``error_flag``: int32 [1], bits OR-ed in
+    when a launch clamps an out-of-range index, never cleared), one per device, shared by every call and read by
+    the hook's statistics kernel (``ShadowSite(candidate_flag=...)``). Made on first use outside graph capture
+    (memory allocated while capturing would belong to that graph); None before that."""
+    flag = _FLAGS.get(device)
+    if flag is None and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        flag = _FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
+def describe_flag(value: int) -> str:
+    """The bits of :func:`error_flag` in words (``mla_tree_verify.ERROR_BITS``)."""
+    try:
+        from mla_tree_verify import decode_error_flag
+
+        return ", ".join(decode_error_flag(value)) or f"0x{value:x}"
+    except ImportError:
+        return f"0x{value:x}"
 
 
 def oracle(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_buffer: torch.Tensor,

@@ -37,6 +37,8 @@ from shadowd.sglang.candidate import (
     baseline_gate,
     candidate,
     candidate_gate,
+    describe_flag,
+    error_flag,
     oracle,
 )
 
@@ -101,6 +103,7 @@ class VerifyShadow:
             self.site = ShadowSite(SITE_NAME, baseline, candidate, oracle=oracle,
                                    runtime=self._runtime or get_runtime(), first_layer=first,
                                    baseline_gate=baseline_gate, candidate_gate=candidate_gate, bundle_args=bundle_args,
+                                   candidate_flag=error_flag, describe_flag=describe_flag,
                                    # the latent cache: shared with the candidate and watched, never cloned,
                                    # whatever its size (a small pool's clone per call slowed SGLang's kernel 4 %)
                                    shared=(KV_BUFFER_ARG,),

@@ -717,3 +717,66 @@ def test_gpu_candidate_time_ends_where_the_candidate_does() -> None:
         g.replay()
     replayed = _drain(rt)
     assert len(replayed) == 3 and all(400 <= s["cand_us"] < 1400 and s["base_us"] < 300 for s in replayed)
+
+
+def test_gpu_kernel_error_flag_reaches_the_hook_eager_and_on_replay() -> None:
+    """The kernel clamps an out-of-range ``kv_indices`` entry and raises a bit of its ``error_flag``; the hook reads
+    that word in the statistics kernel (no host synchronisation) and reports it: the sample's error names it, the
+    candidate is disabled with the bits in words, the baseline's result is what the call returned. Eagerly, and on
+    a graph replay whose inputs went bad after capture."""
+    mtv = pytest.importorskip("mla_tree_verify")
+    from mla_tree_verify import testing
+
+    case = testing.make_case([300, 77], [5, 3], 4, seed=11, device="cuda", tree_kind="random")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def base(*a: Any) -> torch.Tensor:
+        return mtv.tree_verify(*a, max_q_len=5)
+
+    def cand(*a: Any) -> torch.Tensor:
+        return mtv.tree_verify(*a, max_q_len=5, error_flag=flag)
+
+    def describe(v: int) -> str:
+        return "; ".join(mtv.decode_error_flag(v))
+
+    args = case.args()
+    rows = torch.tensor([case.q.shape[0]], dtype=torch.int32, device="cuda")
+    bucket = Bucket(batch_size=2, draft_tokens=5, prefix_len=300, heads=4, valid_rows=rows)
+    for graph in (False, True):
+        flag.zero_()
+        rt, _sink = make_runtime("validate", sampling=Sampling(1))
+        site = ShadowSite("mtv", base, cand, runtime=rt, candidate_flag=lambda d: flag, describe_flag=describe,
+                          shared=(2,))
+        kvi = case.kv_indices
+        good = kvi.clone()
+        if graph:
+            g, out = _capture_args(site, args, bucket)
+            _drain(rt)
+            g.replay()
+            assert [r["error"] for r in _drain(rt)] == [None] and not rt.disabled, "in range: nothing raised"
+            kvi[7] = case.kv_buffer.shape[0] + 5  # the same index tensor the graph reads, now out of range
+            g.replay()
+        else:
+            kvi[7] = case.kv_buffer.shape[0] + 5
+            out = site(*args, layer=0, bucket=bucket)
+        recs = _drain(rt)
+        assert [r["error"] for r in recs] == ["candidate_flag:0x1"], recs
+        assert rt.disabled and "kv_indices entry outside" in rt.disabled_reason, rt.disabled_reason
+        assert torch.equal(out, base(*args)), "the call returned the baseline's result"
+        assert int(flag) == 1
+        kvi.copy_(good)
+
+
+def _capture_args(site: ShadowSite, args: tuple, bucket: Bucket, warm: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warm):
+            site(*args, layer=0, bucket=bucket)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = site(*args, layer=0, bucket=bucket)
+    torch.cuda.synchronize()
+    return g, out

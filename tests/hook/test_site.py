@@ -108,6 +108,44 @@ def test_large_shared_input_modification_is_detected_and_disables() -> None:
     assert sink[0]["error"] == "input_modified" and rt.disabled
 
 
+def test_a_raised_candidate_error_flag_is_a_candidate_error_and_disables() -> None:
+    # the candidate's own error word (mla_tree_verify's error_flag: bits its kernels raise when they clamp bad
+    # input): the call that sees it becomes an error sample, the candidate is disabled with the bits named, and the
+    # baseline's result is what returns, as for any candidate error
+    rt, sink = make_runtime("validate")
+    flag = torch.zeros(1, dtype=torch.int32)
+    calls = []
+
+    def clamping(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            flag.bitwise_or_(2)
+        return cand_fn(x, w)
+
+    site = ShadowSite("s", base_fn, clamping, runtime=rt, candidate_flag=lambda device: flag,
+                      describe_flag=lambda v: f"slot out of range ({v})")
+    x, w = inputs()
+    outs = [site(x, w, layer=0) for _ in range(4)]
+    assert all(torch.equal(o, base_fn(x, w)) for o in outs)
+    assert [s["error"] for s in sink] == [None, "candidate_flag:0x2"]
+    assert rt.disabled and "slot out of range (2)" in rt.disabled_reason
+    assert len(calls) == 2, "a disabled candidate never runs again"
+
+
+def test_on_mode_spot_check_that_sees_the_error_flag_serves_the_baseline() -> None:
+    rt, sink = make_runtime("on", spot_every=1)
+    flag = torch.zeros(1, dtype=torch.int32)
+
+    def clamping(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        flag.fill_(1)
+        return cand_fn(x, w)
+
+    site = ShadowSite("s", base_fn, clamping, runtime=rt, candidate_flag=lambda device: flag)
+    x, w = inputs()
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+    assert rt.fallback and rt.disabled and sink[0]["error"] == "candidate_flag:0x1"
+
+
 def test_shared_argument_is_never_cloned_but_watched() -> None:
     seen: list[torch.Tensor] = []
 

@@ -279,6 +279,46 @@ first11 = ds11.push_control()
 dev.mirror_kernel = real_mirror
 out["push_race"] = {"first": first11, "writer_finished": slow.writer_finished, "dirty": ds11.control_dirty,
                     "mirror_is_word": int(ds11.dctrl[0]) == int(ds11.hctrl[0]), "mode": int(ds11.dctrl[0]) & 3}
+# the candidate's own error word (``candidate_flag``: mla_tree_verify's error_flag) read by the statistics kernel into
+# the call's record: a raised word is a candidate error that disables the candidate (validate); in on mode under a
+# graph the call whose check sees it serves the baseline and the device falls back at once
+scale.fill_(1.0)
+FLAG = torch.zeros(1, dtype=torch.int32)
+calls12 = []
+def cand_flagging(x, w):
+    calls12.append(1)
+    if len(calls12) == 3:
+        FLAG.fill_(4)
+    return cand(x, w)
+rt12 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
+ds12 = rt12.device(); ds12.use_timer = False
+s12 = ShadowSite("t12", base, cand_flagging, runtime=rt12, candidate_flag=lambda d: FLAG,
+                 describe_flag=lambda v: f"bits {v}")
+ret12, recs12 = [], []
+for _ in range(4):
+    ret12.append(torch.equal(s12(x, w, layer=0, bucket=bk), base(x, w)))
+    recs12 += ds12.poll()
+out["flag_validate"] = {"returned": ret12, "errors": [r["error"] for r in recs12], "disabled": rt12.disabled,
+                        "reason": rt12.disabled_reason, "cand_calls": len(calls12)}
+FLAG2 = torch.zeros(1, dtype=torch.int32)
+calls13 = []
+def cand_flagging2(x, w):
+    calls13.append(1)
+    if len(calls13) == 3:
+        FLAG2.fill_(1)
+    return cand(x, w)
+rt13 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
+ds13 = rt13.device(); ds13.use_timer = False
+s13 = ShadowSite("t13", base, cand_flagging2, runtime=rt13, candidate_flag=lambda d: FLAG2)
+res13, errs13 = [], []
+for i in range(4):
+    CAPTURE[0] = i > 0  # the first call eager (unchecked: the candidate alone), then the kernels decide
+    o = s13(x, w, layer=0, bucket=bk)
+    res13.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
+    errs13 += [r["error"] for r in ds13.poll()]
+CAPTURE[0] = False
+out["flag_on"] = {"outputs": res13, "fallback": rt13.fallback, "reason": rt13.fallback_reason, "errors": errs13,
+                  "disabled": rt13.disabled}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -330,6 +370,13 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert r["gate_failure"] == {"returned": True, "disabled": True, "base_calls": 1}, r["gate_failure"]
     assert r["push_race"] == {"first": True, "writer_finished": True, "dirty": False, "mirror_is_word": True,
                               "mode": 0}, r["push_race"]
+    fv = r["flag_validate"]
+    assert fv["returned"] == [True] * 4 and fv["errors"] == [None, None, "candidate_flag:0x4"], fv
+    assert fv["disabled"] and "bits 4" in fv["reason"] and fv["cand_calls"] == 3, fv
+    fo = r["flag_on"]
+    assert fo["outputs"] == ["cand", "cand", "base", "base"], fo
+    assert fo["fallback"] and "error flag" in fo["reason"] and fo["disabled"], fo
+    assert fo["errors"] == ["candidate_flag:0x1"], "the hard failure is published (step 2 was no spot check on device)"
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 

@@ -236,3 +236,20 @@ def test_spec_accept_length_per_mode(sgl: Any, fresh_plugins: Any, monkeypatch: 
 
     sent = spec.producer_stats(PRODUCER_STATS)  # what rides in every wire batch to the collector
     assert sent["spec_accept_tokens_validate"] == 10 and sent["spec_req_steps_off"] == 2 and len(sent) == 9
+
+
+def test_site_reads_the_kernels_error_flag() -> None:
+    """The verify site hands the hook the candidate's device error word (``tree_verify``'s ``error_flag``) and names
+    its bits in words; on CPU there is none (the fp32 stand-in raises nothing)."""
+    from types import SimpleNamespace
+
+    from shadowd.hook.config import HookConfig
+    from shadowd.hook.runtime import HookRuntime
+    from shadowd.sglang.candidate import describe_flag, error_flag
+    from shadowd.sglang.verify import VerifyShadow
+
+    site = VerifyShadow(runtime=HookRuntime(HookConfig(mode="validate")), first_layer=0)._site(SimpleNamespace())
+    assert site.candidate_flag is error_flag and site.describe_flag is describe_flag
+    assert error_flag(torch.device("cpu")) is None
+    assert "kv_indices entry outside" in describe_flag(1) and "max_q_len" in describe_flag(2)
+    assert describe_flag(0) == "0x0"
