@@ -30,8 +30,10 @@ clones of the small tensors and watch the large ones (the KV cache):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -149,12 +151,22 @@ def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     del v  # MLA: v is the first 512 columns of k (and of the cache rows)
     t = q.shape[0]
     fn = candidate_fn(q.is_cuda)
-    flag = error_flag(q.device) if q.is_cuda else None
+    flag = error_flag(q.device) if q.is_cuda and _takes_error_flag(fn) else None
     extra = {"error_flag": flag} if flag is not None else {}
     out = fn(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
              custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len,
              **extra)
     return out.view(t, call.heads * D_V)
+
+
+@functools.cache
+def _takes_error_flag(fn: Callable[..., Any]) -> bool:
+    # a SHADOWD_CANDIDATE written before the flag existed keeps working without one
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "error_flag" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}

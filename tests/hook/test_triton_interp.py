@@ -283,13 +283,16 @@ out["push_race"] = {"first": first11, "writer_finished": slow.writer_finished, "
 # the call's record: a raised word is a candidate error that disables the candidate (validate); in on mode under a
 # graph the call whose check sees it serves the baseline and the device falls back at once
 scale.fill_(1.0)
-FLAG = torch.zeros(1, dtype=torch.int32)
-calls12 = []
-def cand_flagging(x, w):
-    calls12.append(1)
-    if len(calls12) == 3:
-        FLAG.fill_(4)
-    return cand(x, w)
+def flagging(bits):
+    """A candidate that raises ``bits`` in its error word on its third call: (candidate, word, calls)."""
+    word, calls = torch.zeros(1, dtype=torch.int32), []
+    def candidate(x, w):
+        calls.append(1)
+        if len(calls) == 3:
+            word.fill_(bits)
+        return cand(x, w)
+    return candidate, word, calls
+cand_flagging, FLAG, calls12 = flagging(4)
 rt12 = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=lambda s: None)
 ds12 = rt12.device(); ds12.use_timer = False
 s12 = ShadowSite("t12", base, cand_flagging, runtime=rt12, candidate_flag=lambda d: FLAG,
@@ -300,13 +303,7 @@ for _ in range(4):
     recs12 += ds12.poll()
 out["flag_validate"] = {"returned": ret12, "errors": [r["error"] for r in recs12], "disabled": rt12.disabled,
                         "reason": rt12.disabled_reason, "cand_calls": len(calls12)}
-FLAG2 = torch.zeros(1, dtype=torch.int32)
-calls13 = []
-def cand_flagging2(x, w):
-    calls13.append(1)
-    if len(calls13) == 3:
-        FLAG2.fill_(1)
-    return cand(x, w)
+cand_flagging2, FLAG2, _calls13 = flagging(1)
 rt13 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
 ds13 = rt13.device(); ds13.use_timer = False
 s13 = ShadowSite("t13", base, cand_flagging2, runtime=rt13, candidate_flag=lambda d: FLAG2)

@@ -253,3 +253,20 @@ def test_site_reads_the_kernels_error_flag() -> None:
     assert error_flag(torch.device("cpu")) is None
     assert "kv_indices entry outside" in describe_flag(1) and "max_q_len" in describe_flag(2)
     assert describe_flag(0) == "0x0"
+
+
+def test_a_custom_candidate_without_an_error_flag_parameter_is_not_given_one() -> None:
+    """``SHADOWD_CANDIDATE`` functions written before the flag existed keep working: the word is passed only to a
+    function that takes it (``tree_verify`` does)."""
+    import mla_tree_verify
+
+    from shadowd.sglang.candidate import _takes_error_flag
+
+    assert _takes_error_flag(mla_tree_verify.tree_verify)
+    assert _takes_error_flag(lambda *a, **kw: None)
+
+    def older(q: Any, k: Any, kv: Any, qo: Any, kvp: Any, kvi: Any, m: Any, mi: Any, s: Any,
+              max_q_len: Any = None) -> Any:
+        return q
+
+    assert not _takes_error_flag(older)
