@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-side script for the lent H200: build, GPU tests, compute-sanitizer, benchmark.
-# Usage (repo root): bash bench/h200_kernel.sh [build] [tests] [sanitize] [ncu] [bench|bench-quick]
+# Usage (repo root): bash bench/h200_kernel.sh [build] [tests] [sanitize] [ncu] [host] [bench|bench-quick]
 # On the lent machine: source .sglang-gpu/setup.sh first (SGLang's Triton baseline); export
 # MLA_TREE_VERIFY_NVCC_FLAGS to build and test a variant (it is part of the library cache key).
 # Writes logs under $OUT (default ./.device-out); every stage has a timeout and failures do
@@ -59,6 +59,9 @@ for st in $STAGES; do
         grep -E "Duration|Throughput|Stall|Warp Cycles|Achieved Occupancy|Issued Ipc|Hit Rate|Busy|Executed Ipc" \
           "$OUT/ncu-${sh//,/_}.log" | head -30 >> "$SUMMARY"
       done ;;
+    host)
+      timeout ${HOST_TIMEOUT:-150} $PY bench/verify_host.py --out-dir "$OUT" > "$OUT/host.log" 2>&1
+      note "host rc=$?"; grep "^|" "$OUT/host.log" | tail -3 >> "$SUMMARY" ;;
     bench|bench-quick)
       q=""; [ "$st" = bench-quick ] && q="--quick"
       timeout ${BENCH_TIMEOUT:-330} $PY bench/verify.py $q --out-dir "$OUT" > "$OUT/bench.log" 2>&1; rc=$?
