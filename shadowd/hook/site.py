@@ -229,8 +229,10 @@ class ShadowSite:
         return err if err is not None else self._check(out_c, out_b)
 
     def flag_error(self, value: int) -> str:
-        """A non-zero error word of the candidate's (``candidate_flag``): the candidate is disabled for the process,
-        with the bits named; returns the sample's error, ``candidate_flag:0x<bits>``."""
+        """A non-zero error word of the candidate's (``candidate_flag``): counted in the producer's ``device_errors``
+        (the collector's ``shadowd_producer_device_errors``), the candidate disabled for the process with the bits
+        named; returns the sample's error, ``candidate_flag:0x<bits>``."""
+        self.rt.device_errors += 1
         if not self.rt.disabled:
             self.rt.disable(f"the candidate's error flag: {self.describe_flag(value)}")
         return f"candidate_flag:0x{value:x}"

@@ -130,6 +130,7 @@ def test_a_raised_candidate_error_flag_is_a_candidate_error_and_disables() -> No
     assert [s["error"] for s in sink] == [None, "candidate_flag:0x2"]
     assert rt.disabled and "slot out of range (2)" in rt.disabled_reason
     assert len(calls) == 2, "a disabled candidate never runs again"
+    assert rt.producer_stats()["device_errors"] == 1, "reported to the collector with the producer's figures"
 
 
 def test_on_mode_spot_check_that_sees_the_error_flag_serves_the_baseline() -> None:

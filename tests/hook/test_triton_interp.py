@@ -302,7 +302,8 @@ for _ in range(4):
     ret12.append(torch.equal(s12(x, w, layer=0, bucket=bk), base(x, w)))
     recs12 += ds12.poll()
 out["flag_validate"] = {"returned": ret12, "errors": [r["error"] for r in recs12], "disabled": rt12.disabled,
-                        "reason": rt12.disabled_reason, "cand_calls": len(calls12)}
+                        "reason": rt12.disabled_reason, "cand_calls": len(calls12),
+                        "device_errors": rt12.producer_stats()["device_errors"]}
 cand_flagging2, FLAG2, _calls13 = flagging(1)
 rt13 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
 ds13 = rt13.device(); ds13.use_timer = False
@@ -369,7 +370,7 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
                               "mode": 0}, r["push_race"]
     fv = r["flag_validate"]
     assert fv["returned"] == [True] * 4 and fv["errors"] == [None, None, "candidate_flag:0x4"], fv
-    assert fv["disabled"] and "bits 4" in fv["reason"] and fv["cand_calls"] == 3, fv
+    assert fv["disabled"] and "bits 4" in fv["reason"] and fv["cand_calls"] == 3 and fv["device_errors"] == 1, fv
     fo = r["flag_on"]
     assert fo["outputs"] == ["cand", "cand", "base", "base"], fo
     assert fo["fallback"] and "error flag" in fo["reason"] and fo["disabled"], fo
