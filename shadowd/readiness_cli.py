@@ -59,7 +59,7 @@ def fetch_readiness(client: httpx.Client, run_id: int | None) -> tuple[int, dict
 
 
 def format_report(body: dict[str, Any]) -> str:
-    """The verdict line and one line per reason."""
+    """The verdict line, one line per reason, and why a rank's candidate was disabled or fell back."""
     if "verdict" not in body:
         return f"ERROR {body.get('error', body)}"
     head = f"{body['verdict']}  run {body.get('run_id')} ({body.get('run_key', '')})"
@@ -68,6 +68,10 @@ def format_report(body: dict[str, Any]) -> str:
         head += f"  candidate {fp}"
     lines = [head]
     lines += [f"  - {r}" for r in body.get("reasons", [])]
+    for n in body.get("producer_notes") or []:
+        for what, key in (("candidate disabled", "disabled_reason"), ("fell back", "fallback_reason")):
+            if n.get(key):
+                lines.append(f"  rank {n.get('rank')}: {what}: {n[key]}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ A batch is a mapping::
       "seq": 17,                    # per-producer sequence number, 0, 1, 2, ...
       "content_hash": "sha256...",  # optional; the collector computes its own digest
       "producer_stats": {...},      # optional: spool depth, drops, fallback state (PRODUCER_STATS)
+      "producer_notes": {...},      # optional: why the candidate was disabled / fell back (PRODUCER_NOTES)
       "samples": {"layer": [...], "rank": [...], ...},
     }
 
@@ -45,6 +46,8 @@ __all__ = [
     "HIST_EXP_MAX",
     "HIST_EXP_MIN",
     "MSGPACK",
+    "PRODUCER_NOTES",
+    "PRODUCER_NOTE_MAX",
     "PRODUCER_STATS",
     "SPEC_MODES",
     "Column",
@@ -145,6 +148,12 @@ PRODUCER_STATS: tuple[str, ...] = (
     # tokens, request-steps (accept length = tokens / request-steps) and verify passes
     *(f"spec_{what}_{mode}" for mode in ("off", "validate", "on") for what in ("accept_tokens", "req_steps", "passes")),
 )
+
+
+#: Optional per-batch producer notes (strings of at most PRODUCER_NOTE_MAX characters): why the process's
+#: candidate was disabled and why on mode fell back, in the hook's words (the first reason is kept).
+PRODUCER_NOTES: tuple[str, ...] = ("disabled_reason", "fallback_reason")
+PRODUCER_NOTE_MAX = 300
 
 
 def hist_bin_of(abs_diff: float) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 
 from shadowd.collector import histblob
-from shadowd.wire import COLUMNS, HIST_BINS, PRODUCER_STATS, Column, samples_digest
+from shadowd.wire import COLUMNS, HIST_BINS, PRODUCER_NOTE_MAX, PRODUCER_NOTES, PRODUCER_STATS, Column, samples_digest
 
 __all__ = ["DIGEST_PREFIX", "MAX_SAMPLES", "BadBatch", "ValidBatch", "columns_digest", "parse_batch"]
 
@@ -55,6 +55,8 @@ class ValidBatch:
     digest: str
     content_hash: str | None = None
     producer_stats: dict[str, int] = field(default_factory=dict)
+    #: the producer's notes (``shadowd.wire.PRODUCER_NOTES``): why its candidate was disabled / fell back
+    producer_notes: dict[str, str] = field(default_factory=dict)
     #: ``hist`` in its stored form (shadowd.collector.histblob), one row per sample
     stored_hist: np.ndarray | None = field(default=None, repr=False, compare=False)
     #: the decoded ``samples`` mapping as received (only for :meth:`legacy_digest`; not sent anywhere)
@@ -218,6 +220,22 @@ def _producer_stats(raw: Any) -> dict[str, int]:
     return out
 
 
+def _producer_notes(raw: Any) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise BadBatch("producer_notes", "must be an object")
+    out: dict[str, str] = {}
+    for k, v in raw.items():
+        if k not in PRODUCER_NOTES:
+            raise BadBatch(f"producer_notes.{k}", f"unknown field (known: {', '.join(PRODUCER_NOTES)})")
+        if not isinstance(v, str) or len(v) > PRODUCER_NOTE_MAX:
+            raise BadBatch(f"producer_notes.{k}", f"must be a string of at most {PRODUCER_NOTE_MAX} characters")
+        if v:
+            out[k] = v
+    return out
+
+
 def parse_batch(body: Any) -> ValidBatch:
     """Validate a decoded batch (a mapping) and return its columns."""
     if not isinstance(body, Mapping):
@@ -232,9 +250,10 @@ def parse_batch(body: Any) -> ValidBatch:
     if content_hash is not None and (not isinstance(content_hash, str) or len(content_hash) > 128):
         raise BadBatch("content_hash", "must be a string of at most 128 characters")
     for key in body:
-        if key not in {"producer", "seq", "samples", "content_hash", "producer_stats"}:
+        if key not in {"producer", "seq", "samples", "content_hash", "producer_stats", "producer_notes"}:
             raise BadBatch(str(key), "unknown field")
     stats = _producer_stats(body.get("producer_stats"))
+    notes = _producer_notes(body.get("producer_notes"))
     raw = body.get("samples")
     if not isinstance(raw, Mapping):
         raise BadBatch("samples", "must be an object mapping column names to lists")
@@ -294,6 +313,7 @@ def parse_batch(body: Any) -> ValidBatch:
         digest=columns_digest(cols, stored_hist),
         content_hash=content_hash,
         producer_stats=stats,
+        producer_notes=notes,
         stored_hist=stored_hist,
         raw=raw,
     )

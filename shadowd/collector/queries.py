@@ -13,8 +13,8 @@ from shadowd.collector.store import UnknownRun
 from shadowd.judge.inputs import RunRollups, StepCounts
 from shadowd.wire import SPEC_MODES
 
-__all__ = ["layer_summary", "list_runs", "load_rollups", "producers_of", "run_row", "runs_for_metrics",
-           "speculative", "speculative_of"]
+__all__ = ["layer_summary", "list_runs", "load_rollups", "producer_notes", "producers_of", "run_row",
+           "runs_for_metrics", "speculative", "speculative_of"]
 
 
 def list_runs(engine: Engine, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
@@ -38,6 +38,16 @@ def producers_of(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     with engine.connect() as conn:
         rows = conn.execute(select(t.producers).where(t.producers.c.run_id == run_id).order_by(t.producers.c.rank))
         return [dict(r) for r in rows.mappings()]
+
+
+def producer_notes(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    """The producers of a run that reported why their candidate was disabled or fell back, by rank."""
+    p = t.producers.c
+    q = (select(p.rank, p.producer, p.disabled_reason, p.fallback_reason)
+         .where(p.run_id == run_id, (p.disabled_reason.is_not(None)) | (p.fallback_reason.is_not(None)))
+         .order_by(p.rank, p.first_seen))
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(q).mappings()]
 
 
 def _cells(engine: Engine, run_id: int) -> list[dict[str, Any]]:

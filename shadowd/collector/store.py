@@ -29,7 +29,7 @@ from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, compute_del
 from shadowd.collector.sample_rows import pg_copy, sample_values, sqlite_plan, sqlite_rows
 from shadowd.collector.upsert import Upserter
 from shadowd.judge.policy import Policy
-from shadowd.wire import PRODUCER_STATS
+from shadowd.wire import PRODUCER_NOTES, PRODUCER_STATS
 
 __all__ = ["Conflict", "IngestResult", "Store", "UnknownRun", "WriteJob", "WriteOutcome"]
 
@@ -66,6 +66,8 @@ class WriteJob:
     deltas: Deltas
     producer_stats: dict[str, int]
     now: float
+    #: the producer's notes (``shadowd.wire.PRODUCER_NOTES``): reasons, kept as first reported
+    producer_notes: dict[str, str] = field(default_factory=dict)
     #: SQLite: the samples' INSERT (``{batch_id}`` in place of the batch id), the columns its rows bind, and
     #: (in-process writes) the rows, built before the transaction
     sample_sql: str | None = None
@@ -206,7 +208,7 @@ class Store:
         cols = (sample_values(b.cols, d.exceeded, b.stored_hist) if self.store_samples
                 else {"layer": b.cols["layer"], "rank": b.cols["rank"]})
         job = WriteJob(run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n=b.n, cols=cols,
-                       deltas=d, producer_stats=b.producer_stats, now=time.time())
+                       deltas=d, producer_stats=b.producer_stats, now=time.time(), producer_notes=b.producer_notes)
         if self.store_samples and self.dialect != "postgresql":
             job.sample_sql, job.sample_cols = sqlite_plan(cols, b.n)
             job.cols = {k: cols[k] for k in {"layer", "rank", *job.sample_cols}}
@@ -335,7 +337,7 @@ class Store:
             m = "%s" if self.dialect == "postgresql" else "?"
             hi = "GREATEST" if self.dialect == "postgresql" else "MAX"
             cols = ("run_id", "producer", "rank", "max_seq", "batches", "gaps", "samples", "first_seen", "last_seen",
-                    *PRODUCER_STATS)
+                    *PRODUCER_STATS, *PRODUCER_NOTES)
             p, x = "producers", "excluded"
             # gaps: a jump past max_seq + 1 opens gaps; a late batch below max_seq fills one
             sets = [
@@ -355,12 +357,15 @@ class Store:
                     sets.append(f"{k} = CASE WHEN {x}.max_seq >= {p}.max_seq THEN {x}.{k} ELSE {p}.{k} END")
                 else:
                     sets.append(f"{k} = {hi}({p}.{k}, {x}.{k})")
+            # a reason is kept as first reported (a process is disabled / falls back once); NULL until then
+            sets += [f"{k} = COALESCE({p}.{k}, {x}.{k})" for k in PRODUCER_NOTES]
             sql = (f"INSERT INTO producers ({', '.join(cols)}) VALUES ({', '.join([m] * len(cols))}) "
                    f"ON CONFLICT (run_id, producer) DO UPDATE SET {', '.join(sets)} RETURNING gaps")
             self._sql_cache[key] = sql
         now = job.now
         stats = [job.producer_stats.get(k, 0) for k in PRODUCER_STATS]
-        cur.execute(sql, (job.run_id, job.producer, rank, job.seq, 1, job.seq, job.n, now, now, *stats))
+        notes = [job.producer_notes.get(k) for k in PRODUCER_NOTES]
+        cur.execute(sql, (job.run_id, job.producer, rank, job.seq, 1, job.seq, job.n, now, now, *stats, *notes))
         return int(cur.fetchone()[0])
 
     def sample_insert(self, job: WriteJob, batch_id: int) -> tuple[str, Any]:

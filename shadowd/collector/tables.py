@@ -112,6 +112,9 @@ producers = Table(
     _counter("fallback"),
     _counter("disabled"),
     _counter("device_errors"),
+    # why the producer's candidate was disabled / on mode fell back (its first reason; NULL: none reported)
+    Column("disabled_reason", String(300)),
+    Column("fallback_reason", String(300)),
     *(_counter(f"spec_{what}_{mode}") for mode in ("off", "validate", "on")
       for what in ("accept_tokens", "req_steps", "passes")),
     sqlite_with_rowid=False,

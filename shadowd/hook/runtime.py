@@ -91,6 +91,11 @@ class HookRuntime:
         return {"fallback": int(self.fallback), "disabled": int(self.disabled),
                 "device_errors": int(self.device_errors)}
 
+    def producer_notes(self) -> dict[str, str]:
+        """Why the candidate was disabled / on mode fell back (``shadowd.wire.PRODUCER_NOTES``), once it was."""
+        return {k: v for k, v in (("disabled_reason", self.disabled_reason), ("fallback_reason", self.fallback_reason))
+                if v}
+
     # ---- per-step decisions --------------------------------------------------------------------
     def sampled(self, step: int) -> bool:
         """Whether validate mode shadows this step (whole steps: every layer of a sampled step)."""
@@ -159,7 +164,7 @@ class HookRuntime:
         streamer = Streamer(client, self.run_id, Spool(cfg.spool_dir, cfg.spool_max_bytes), queue_max=cfg.queue_max,
                             batch_max=cfg.batch_max, flush_interval_s=cfg.flush_interval_s,
                             poll_interval_s=cfg.poll_interval_s, on_mode_override=self.set_override,
-                            stats=self.producer_stats)
+                            stats=self.producer_stats, notes=self.producer_notes)
         if self._device is not None:
             streamer.pollers.append(self._device.poll)
         self.streamer = streamer.start()

@@ -33,7 +33,7 @@ from typing import Any
 
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
 from shadowd.hook.spool import Spool
-from shadowd.wire import COLUMNS, encode_msgpack, pack_column, pack_hist
+from shadowd.wire import COLUMNS, PRODUCER_NOTE_MAX, PRODUCER_NOTES, encode_msgpack, pack_column, pack_hist
 
 __all__ = ["Streamer", "build_batch"]
 
@@ -43,7 +43,8 @@ _FLOAT_COLS = {c.name for c in COLUMNS if c.kind == "float"}
 
 
 def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
-                producer_stats: dict[str, int] | None = None, packed: bool = True) -> dict[str, Any]:
+                producer_stats: dict[str, int] | None = None, packed: bool = True,
+                producer_notes: dict[str, str] | None = None) -> dict[str, Any]:
     """A wire batch (``shadowd.wire``) of ``samples`` (dicts keyed by column name).
 
     Numeric columns are packed (``packed=False``: lists, the same content for the collector).
@@ -69,6 +70,9 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
     batch: dict[str, Any] = {"producer": producer, "seq": seq, "samples": cols}
     if producer_stats:
         batch["producer_stats"] = producer_stats
+    notes = {k: v[:PRODUCER_NOTE_MAX] for k, v in (producer_notes or {}).items() if k in PRODUCER_NOTES and v}
+    if notes:
+        batch["producer_notes"] = notes
     return batch
 
 
@@ -79,7 +83,8 @@ class Streamer:
                  batch_max: int = 4096, flush_interval_s: float = 0.25, poll_interval_s: float = 2.0,
                  producer: str | None = None,
                  on_mode_override: Callable[[str | None], None] | None = None,
-                 stats: Callable[[], dict[str, int]] | None = None) -> None:
+                 stats: Callable[[], dict[str, int]] | None = None,
+                 notes: Callable[[], dict[str, str]] | None = None) -> None:
         self.client = client
         self.run_id = run_id
         self.spool = spool
@@ -89,6 +94,8 @@ class Streamer:
         self.poll_interval_s = poll_interval_s
         self.on_mode_override = on_mode_override
         self.stats = stats
+        #: the producer's notes (``shadowd.wire.PRODUCER_NOTES``: why the candidate was disabled / fell back)
+        self.notes = notes
         self.pollers: list[Callable[[], list[dict[str, Any]]]] = []
         self.seq = 0
         self.dropped = 0  # samples: queue full, or spool bound hit
@@ -199,7 +206,8 @@ class Streamer:
     def _ship(self, samples: list[dict[str, Any]]) -> None:
         seq = self.seq
         self.seq += 1
-        body = encode_msgpack(build_batch(self.producer, seq, samples, self.producer_stats()))
+        body = encode_msgpack(build_batch(self.producer, seq, samples, self.producer_stats(),
+                                          producer_notes=self.notes() if self.notes else None))
         direct = self.spool.depth() == 0 and time.monotonic() >= self._retry_at
         if direct and self._post(body, len(samples)) is not None:
             return

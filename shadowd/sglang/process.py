@@ -157,7 +157,7 @@ class ProcessSetup:
 
         streamer = Streamer(client, -1, spool, queue_max=cfg.queue_max, batch_max=cfg.batch_max,
                             flush_interval_s=cfg.flush_interval_s, poll_interval_s=cfg.poll_interval_s,
-                            on_mode_override=rt.set_override, stats=stats)
+                            on_mode_override=rt.set_override, stats=stats, notes=rt.producer_notes)
         streamer.pollers.append(lambda: rt._device.poll() if rt._device is not None else [])
         rt.streamer = streamer  # samples queue up until the run is registered
 

@@ -69,6 +69,25 @@ def test_sequence_gaps_are_counted_and_filled(db_url, make_client):
     assert c.get(f"/v1/runs/{run_id}/producers").json()[0]["gaps"] == 1
 
 
+def test_producer_notes_keep_the_first_reason(db_url, make_client):
+    """Why a rank's candidate was disabled or fell back, as its hook said it: on the producer row from the first
+    batch that carries it, never overwritten (a process is disabled once), NULL while none was reported."""
+    c = make_client(db_url)
+    run_id = register(c, run_body())
+    assert post_msgpack(c, run_id, make_batch(8, seq=0)).status_code == 200
+    assert c.get(f"/v1/runs/{run_id}/producers").json()[0]["disabled_reason"] is None
+    first = {**make_batch(8, seq=1, step0=10),
+             "producer_notes": {"disabled_reason": "the candidate's error flag: kv_indices entry outside"}}
+    assert post_msgpack(c, run_id, first).status_code == 200
+    later = {**make_batch(8, seq=2, step0=20),
+             "producer_notes": {"disabled_reason": "something else", "fallback_reason": "spot check: nonfinite"}}
+    assert post_msgpack(c, run_id, later).status_code == 200
+    assert post_msgpack(c, run_id, make_batch(8, seq=3, step0=30)).status_code == 200
+    (prod,) = c.get(f"/v1/runs/{run_id}/producers").json()
+    assert prod["disabled_reason"] == "the candidate's error flag: kv_indices entry outside"
+    assert prod["fallback_reason"] == "spot check: nonfinite"
+
+
 def test_exceeding_and_nonfinite_calls_reach_rollups_and_metrics(db_url, make_client):
     c = make_client(db_url)
     run_id = register(c, run_body(num_layers=2))

@@ -32,6 +32,18 @@ def test_migrations_up_down_up(db_url):
     assert _tables(db_url) == expected
 
 
+def test_migrated_schema_has_every_column_of_the_tables(db_url):
+    """What the migrations build is what ``tables`` declares, column for column (not just table names)."""
+    upgrade(db_url)
+    engine = create_engine(db_url)
+    try:
+        insp = inspect(engine)
+        for table in t.metadata.tables.values():
+            assert {c["name"] for c in insp.get_columns(table.name)} == set(table.columns.keys()), table.name
+    finally:
+        engine.dispose()
+
+
 def test_cli_db_upgrade_and_serve_refusal(fresh_sqlite):
     runner = CliRunner()
     refused = runner.invoke(cli, ["serve", "--db", fresh_sqlite, "--port", "0"])

@@ -64,6 +64,9 @@ def _cases():
          422, "samples"),
         ("bad producer stats", lambda: {**make_batch(6), "producer_stats": {"spool_depth": -2}}, 422,
          "producer_stats.spool_depth"),
+        ("unknown producer note", lambda: {**make_batch(6), "producer_notes": {"why": "x"}}, 422, "producer_notes.why"),
+        ("overlong producer note", lambda: {**make_batch(6), "producer_notes": {"disabled_reason": "x" * 301}}, 422,
+         "producer_notes.disabled_reason"),
     ]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
 from shadowd.collector.batch import parse_batch
@@ -59,6 +60,14 @@ def test_batches_are_valid_wire_batches() -> None:
     for name, col in vb.cols.items():
         a, b = col, listed.cols[name]
         assert (a == b if isinstance(a, list) else np.array_equal(a, b, equal_nan=True)), name
+
+
+def test_producer_notes_travel_trimmed_and_only_when_there_is_one() -> None:
+    samples = [sample(0)]
+    assert "producer_notes" not in build_batch("p", 0, samples, producer_notes={"disabled_reason": ""})
+    b = build_batch("p", 0, samples, producer_notes={"disabled_reason": "x" * 500, "fallback_reason": "spot check"})
+    vb = parse_batch(decode_msgpack(encode_msgpack(b)))
+    assert vb.producer_notes == {"disabled_reason": "x" * 300, "fallback_reason": "spot check"}
 
 
 def test_packed_batch_keeps_missing_values_and_non_finite_statistics() -> None:
@@ -277,3 +286,36 @@ def test_start_streaming_registers_applies_kill_switch_and_delivers(collector: C
     assert st.flush(30)
     st.close()
     assert admin.get_run(run_id)["samples"] == 4
+
+
+def test_why_the_candidate_was_disabled_reaches_the_collector(collector: Collector, tmp_path: Path) -> None:
+    """The hook's reason travels with its batches (``producer_notes``) to the producer's row, the readiness
+    answer and ``shadowd readiness``' report."""
+    import httpx
+
+    from shadowd.hook.config import HookConfig
+    from shadowd.hook.runtime import HookRuntime
+    from shadowd.readiness_cli import format_report
+
+    admin = CollectorClient(collector.url)
+    rt = HookRuntime(HookConfig(mode="validate", url=collector.url, run_key="notes", spool_dir=tmp_path / "spool",
+                                flush_interval_s=0.05))
+    st = rt.start_streaming({k: v for k, v in run_body("x").items() if k != "run_key"})
+
+    def scribbler(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w.add_(0)  # an in-place write to an input shared with the candidate: disabled at once
+        return cand_fn(x, w)
+
+    site = ShadowSite("s", base_fn, scribbler, runtime=rt, clone_max_bytes=1024)
+    x, w = inputs()
+    for layer in range(2):
+        site(x, w, layer=layer)
+    assert st.flush(30)
+    st.close()
+    assert rt.disabled and admin.get_run(rt.run_id)["samples"] == 1
+    (prod,) = httpx.get(f"{collector.url}/v1/runs/{rt.run_id}/producers").json()
+    assert prod["disabled_reason"] == "candidate modified its inputs" and prod["fallback_reason"] is None
+    ready = httpx.get(f"{collector.url}/readiness", params={"run_id": rt.run_id}).json()
+    assert ready["producer_notes"] == [{"rank": 0, "producer": prod["producer"],
+                                        "disabled_reason": "candidate modified its inputs", "fallback_reason": None}]
+    assert "rank 0: candidate disabled: candidate modified its inputs" in format_report(ready)

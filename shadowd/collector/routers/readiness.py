@@ -34,7 +34,9 @@ def get_evaluator(request: Request, state: AppState) -> Evaluator:
 
 @router.get("/readiness")
 async def readiness(request: Request, state: State, run_id: int | None = Query(None, ge=1)) -> JSONResponse:
-    """The verdict of ``run_id`` (the latest run when omitted), with every criterion and the reasons."""
+    """The verdict of ``run_id`` (the latest run when omitted), with every criterion and the reasons; beside it
+    SGLang's accept length per mode and, per producer that reported one, why its candidate was disabled or fell
+    back (``producer_notes``)."""
     ev = get_evaluator(request, state)
 
     def work() -> dict[str, Any]:
@@ -42,7 +44,8 @@ async def readiness(request: Request, state: State, run_id: int | None = Query(N
         report = ev.latest_or_evaluate(run["id"], run=run)
         # the end-to-end effect beside the verdict: SGLang's accept length in each mode of the run
         spec = queries.speculative(state.engine, run["id"])
-        return {"run_id": run["id"], "run_key": run["run_key"], **report, "speculative": spec}
+        return {"run_id": run["id"], "run_key": run["run_key"], **report, "speculative": spec,
+                "producer_notes": queries.producer_notes(state.engine, run["id"])}
 
     report = await run_in_threadpool(work)
     return JSONResponse(report, status_code=200 if report["verdict"] == READY else 503)

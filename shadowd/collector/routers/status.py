@@ -276,6 +276,7 @@ def _producers_section(producers: list[dict[str, Any]]) -> str:
             _fmt(p["dropped"]),
             _fmt(bool(p["fallback"])),
             _fmt(bool(p["disabled"])),
+            _e(p.get("disabled_reason") or p.get("fallback_reason") or ""),
             _e(_utc(p["last_seen"])),
         ]
         for p in producers
@@ -291,6 +292,7 @@ def _producers_section(producers: list[dict[str, Any]]) -> str:
             "dropped",
             "fallback",
             "disabled",
+            "why",
             "last seen",
         ],
         rows,
