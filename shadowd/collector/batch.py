@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,35 +205,32 @@ def _hist_column(raw: list[Any] | bytes, n: int) -> np.ndarray:
     return arr
 
 
-def _producer_stats(raw: Any) -> dict[str, int]:
+def _producer_fields(raw: Any, name: str, known: tuple[str, ...], ok: Callable[[Any], bool], want: str
+                     ) -> dict[str, Any]:
+    # an optional object of known fields, each value checked by ``ok`` (``want`` says what it must be)
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise BadBatch("producer_stats", "must be an object")
-    out: dict[str, int] = {}
+        raise BadBatch(name, "must be an object")
     for k, v in raw.items():
-        if k not in PRODUCER_STATS:
-            raise BadBatch(f"producer_stats.{k}", f"unknown field (known: {', '.join(PRODUCER_STATS)})")
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise BadBatch(f"producer_stats.{k}", "must be a non-negative integer")
-        out[k] = v
-    return out
+        if k not in known:
+            raise BadBatch(f"{name}.{k}", f"unknown field (known: {', '.join(known)})")
+        if not ok(v):
+            raise BadBatch(f"{name}.{k}", f"must be {want}")
+    return dict(raw)
+
+
+def _producer_stats(raw: Any) -> dict[str, int]:
+    return _producer_fields(raw, "producer_stats", PRODUCER_STATS,
+                            lambda v: not isinstance(v, bool) and isinstance(v, int) and v >= 0,
+                            "a non-negative integer")
 
 
 def _producer_notes(raw: Any) -> dict[str, str]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise BadBatch("producer_notes", "must be an object")
-    out: dict[str, str] = {}
-    for k, v in raw.items():
-        if k not in PRODUCER_NOTES:
-            raise BadBatch(f"producer_notes.{k}", f"unknown field (known: {', '.join(PRODUCER_NOTES)})")
-        if not isinstance(v, str) or len(v) > PRODUCER_NOTE_MAX:
-            raise BadBatch(f"producer_notes.{k}", f"must be a string of at most {PRODUCER_NOTE_MAX} characters")
-        if v:
-            out[k] = v
-    return out
+    notes = _producer_fields(raw, "producer_notes", PRODUCER_NOTES,
+                             lambda v: isinstance(v, str) and len(v) <= PRODUCER_NOTE_MAX,
+                             f"a string of at most {PRODUCER_NOTE_MAX} characters")
+    return {k: v for k, v in notes.items() if v}
 
 
 def parse_batch(body: Any) -> ValidBatch:
