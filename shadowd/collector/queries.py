@@ -115,9 +115,11 @@ def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s
             select(func.count(), func.coalesce(func.sum(s.exceeded), 0))
             .where((s.run_id == run_id) & (s.first_ts >= last - recent_s))
         ).one()
+        e = t.errors.c
+        errors = {str(r[0]): int(r[1]) for r in conn.execute(select(e.error, e.n).where(e.run_id == run_id))}
     steps = StepCounts(int(total), int(exceeded), run["policy_hash"], int(recent_total), int(recent_exc))
     return RunRollups(run=run, cells=_cells(engine, run_id), slots=slots, hists=dict(hists), steps=steps,
-                      now=now, history=history or [])
+                      now=now, history=history or [], errors=errors)
 
 
 def runs_for_metrics(engine: Engine, since: float) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ octave per layer (and quarter-octave per layer for the oracle ratio).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,8 @@ class Deltas:
     steps: Rows
     run: dict[str, Any]
     exceeded: np.ndarray
+    #: candidate errors per kind: run_id, error, n, first_ts, last_ts
+    errors: Rows = field(default_factory=lambda: Rows(("run_id", "error", "n", "first_ts", "last_ts"), []))
 
 
 def _pow2_ceil(x: np.ndarray) -> np.ndarray:
@@ -285,4 +287,17 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
         "first_sample_ts": float(ts.min()),
         "last_sample_ts": float(ts.max()),
     }
-    return Deltas(cells, slots, hists, steps, run, exceeded)
+    return Deltas(cells, slots, hists, steps, run, exceeded, _error_kinds(run_id, c["error"], ts))
+
+
+def _error_kinds(run_id: int, errors: list[str | None], ts: np.ndarray) -> Rows:
+    # the batch's candidate errors per kind (almost always none: one C-level count says so)
+    kinds: dict[str, list[float]] = {}
+    if errors.count(None) != len(errors):
+        for e, when in zip(errors, ts.tolist(), strict=True):
+            if e is not None:
+                k = kinds.setdefault(e, [0, when, when])
+                k[0] += 1
+                k[1], k[2] = min(k[1], when), max(k[2], when)
+    return _rows({"run_id": [run_id] * len(kinds), "error": list(kinds), "n": [int(k[0]) for k in kinds.values()],
+                  "first_ts": [k[1] for k in kinds.values()], "last_ts": [k[2] for k in kinds.values()]})

@@ -295,6 +295,7 @@ class Store:
         up(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
         up(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
         up(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",), least=("first_ts",))
+        up(cur, t.errors, d.errors, ("run_id", "error"), add=("n",), greatest=("last_ts",), least=("first_ts",))
         policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
         cur.execute(q["run_update"], (
             r["n_samples"], r["n_errors"], r["n_cand_nonfinite"], r["n_base_nonfinite"], r["n_exceed"],

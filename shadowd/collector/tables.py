@@ -31,6 +31,7 @@ __all__ = [
     "CELL_KEY",
     "batches",
     "cells",
+    "errors",
     "evaluations",
     "hists",
     "metadata",
@@ -262,6 +263,18 @@ steps = Table(
     Column("first_ts", Float, nullable=False),
     sqlite_with_rowid=False,
     **_HOT
+)
+
+# candidate errors per kind (the samples' ``error`` marker: exception:<Type>, shape, candidate_flag:0x.., ...)
+errors = Table(
+    "rollup_errors",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("error", String(200), primary_key=True),
+    _counter("n"),
+    Column("first_ts", Float, nullable=False),
+    Column("last_ts", Float, nullable=False),
+    sqlite_with_rowid=False,
 )
 
 evaluations = Table(

@@ -81,8 +81,11 @@ def hard_failures(r: RunRollups, p: Policy) -> Criterion:
     if nonfinite:
         parts.append(f"{nonfinite} calls non-finite in the candidate where the baseline is finite")
     if errors:
+        kinds = sorted(r.errors.items(), key=lambda kv: (-kv[1], kv[0]))
+        by_kind = (": " + ", ".join(f"{k} ×{n}" for k, n in kinds[:3]) + (f", {len(kinds) - 3} more kinds"
+                                                                           if len(kinds) > 3 else "")) if kinds else ""
         parts.append(f"{errors} candidate errors (exception, shape or dtype mismatch, an error flag raised by its "
-                     "kernels, or a fault of the hook itself)")
+                     f"kernels, or a fault of the hook itself){by_kind}")
     status = FAIL if parts else PASS
     detail = "; ".join(parts) if parts else "no non-finite mismatches and no candidate errors"
     return Criterion("hard_failures", status, {"cand_nonfinite": nonfinite, "errors": errors},

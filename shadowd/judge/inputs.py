@@ -48,6 +48,7 @@ class RunRollups:
       quarter-octave ones of the oracle ratio.
     - ``steps``: verify-step counts.
     - ``now``: the evaluation time (unix seconds).
+    - ``errors``: candidate errors per kind (the samples' ``error`` marker → count), from rollup_errors.
     """
 
     run: dict[str, Any]
@@ -57,3 +58,4 @@ class RunRollups:
     steps: StepCounts
     now: float
     history: list[dict[str, Any]] = field(default_factory=list)  # earlier stored evaluations, oldest first
+    errors: dict[str, int] = field(default_factory=dict)

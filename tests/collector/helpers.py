@@ -60,4 +60,4 @@ def sample_rows(db_url: str) -> list[dict[str, Any]]:
     return [{**{k: norm(v) for k, v in r.items()}, "hist": histblob.decode(r["hist"])} for r in rows]
 
 
-TABLES = (t.samples, t.batches, t.cells, t.timeslots, t.hists, t.steps, t.producers)
+TABLES = (t.samples, t.batches, t.cells, t.timeslots, t.hists, t.steps, t.producers, t.errors)

@@ -88,6 +88,29 @@ def test_producer_notes_keep_the_first_reason(db_url, make_client):
     assert prod["fallback_reason"] == "spot check: nonfinite"
 
 
+def test_candidate_errors_are_rolled_up_by_kind_and_named_in_the_verdict(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4))
+    errs = [None] * 40
+    errs[3] = errs[9] = "exception:RuntimeError"
+    errs[5] = "candidate_flag:0x1"
+    assert post_msgpack(c, run_id, make_batch(40, seq=0, error=errs)).status_code == 200
+    errs2 = [None] * 40
+    errs2[0] = "candidate_flag:0x1"
+    assert post_msgpack(c, run_id, make_batch(40, seq=1, step0=10, ts0=1.8e9 + 100, error=errs2)).status_code == 200
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = {r.error: r for r in conn.execute(select(t.errors).where(t.errors.c.run_id == run_id))}
+    finally:
+        engine.dispose()
+    assert {k: r.n for k, r in rows.items()} == {"exception:RuntimeError": 2, "candidate_flag:0x1": 2}
+    assert rows["candidate_flag:0x1"].last_ts > rows["candidate_flag:0x1"].first_ts
+    hard = next(x for x in c.get("/readiness", params={"run_id": run_id}).json()["criteria"]
+                if x["name"] == "hard_failures")
+    assert hard["detail"].endswith(": candidate_flag:0x1 ×2, exception:RuntimeError ×2"), hard["detail"]
+
+
 def test_exceeding_and_nonfinite_calls_reach_rollups_and_metrics(db_url, make_client):
     c = make_client(db_url)
     run_id = register(c, run_body(num_layers=2))

@@ -47,6 +47,15 @@ def test_candidate_error_is_not_ready() -> None:
     assert criterion(rep, "hard_failures")["observed"]["errors"] == 2
 
 
+def test_candidate_errors_are_named_by_kind_most_frequent_first() -> None:
+    kinds = {"exception:RuntimeError": 3, "candidate_flag:0x1": 9, "shape": 1, "dtype": 1, "input_modified": 1}
+    r = dataclasses.replace(rollups(cells=[cell(0, 1000, n_error=15), cell(1, 1000)]), errors=kinds)
+    detail = criterion(judge(r, SMALL), "hard_failures")["detail"]
+    assert detail.endswith(": candidate_flag:0x1 ×9, exception:RuntimeError ×3, dtype ×1, 2 more kinds"), detail
+    plain = criterion(judge(rollups(cells=[cell(0, 1000, n_error=2), cell(1, 1000)]), SMALL), "hard_failures")
+    assert "×" not in plain["detail"], "no kinds stored (an older collector's rollups): the count alone"
+
+
 def test_baseline_only_nonfinite_is_reported_not_held_against_candidate() -> None:
     cells = [cell(0, 1000, n_base_nonfinite=3, n_nan_stat=3), cell(1, 1000)]
     rep = judge(rollups(cells=cells), SMALL)
