@@ -212,7 +212,7 @@ class DeviceState:
         flags = int(rec[4])
         kflag = int(rec[12])  # the candidate's error word as the statistics kernel read it (0: none, or no flag)
         if flags & 4 and not rt.fallback:
-            rt.fall_back("device spot check: " + (f"the candidate's error flag: {site.describe_flag(kflag)}" if kflag
+            rt.fall_back("device spot check: " + (f"the candidate's error flag: {site.flag_text(kflag)}" if kflag
                                                   else "hard failure"))
         stats = finalize(rec[NMETA:])
         stats.pop("max_pos")

@@ -228,13 +228,18 @@ class ShadowSite:
             self.rt.disable("candidate modified its inputs")
         return err if err is not None else self._check(out_c, out_b)
 
+    def flag_text(self, value: int) -> str:
+        """The bits of the candidate's error word in words (``describe_flag``, isolated: hex if it fails)."""
+        text, err = self._isolated("describe_flag", self.describe_flag, value)
+        return str(text) if err is None else f"0x{value:x}"
+
     def flag_error(self, value: int) -> str:
         """A non-zero error word of the candidate's (``candidate_flag``): counted in the producer's ``device_errors``
         (the collector's ``shadowd_producer_device_errors``), the candidate disabled for the process with the bits
         named; returns the sample's error, ``candidate_flag:0x<bits>``."""
         self.rt.device_errors += 1
         if not self.rt.disabled:
-            self.rt.disable(f"the candidate's error flag: {self.describe_flag(value)}")
+            self.rt.disable(f"the candidate's error flag: {self.flag_text(value)}")
         return f"candidate_flag:0x{value:x}"
 
     def _check(self, out_c: Any, out_b: Any) -> str | None:

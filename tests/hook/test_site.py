@@ -147,6 +147,19 @@ def test_on_mode_spot_check_that_sees_the_error_flag_serves_the_baseline() -> No
     assert rt.fallback and rt.disabled and sink[0]["error"] == "candidate_flag:0x1"
 
 
+def test_a_failing_flag_description_falls_back_to_hex() -> None:
+    rt, sink = make_runtime("validate")
+    flag = torch.full((1,), 5, dtype=torch.int32)
+
+    def broken(value: int) -> str:
+        raise KeyError(value)
+
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt, candidate_flag=lambda device: flag, describe_flag=broken)
+    x, w = inputs()
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+    assert sink[0]["error"] == "candidate_flag:0x5" and rt.disabled_reason == "the candidate's error flag: 0x5"
+
+
 def test_shared_argument_is_never_cloned_but_watched() -> None:
     seen: list[torch.Tensor] = []
 
