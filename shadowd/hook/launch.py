@@ -118,9 +118,10 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     ``kind`` goes into the record's word 11 (``REC_*``: what the record compares). ``stamp``: the record's
     candidate time ends at this kernel's start (global timer, read after the PDL wait) instead of at the
     stamp kernel's ``sstate[8]`` — one launch fewer per call where the candidate directly precedes it.
-    ``cand_flag``: the candidate's own device error word (int32, bits its kernels OR in when they clamp bad
-    input; ``ShadowSite(candidate_flag=...)``), read after the wait by the finishing program: a non-zero word
-    goes into the record's word 12 and is a hard failure (on mode: the sticky device fallback).
+    ``cand_flag``: the candidate's own device error word (int32, >= 1 element, on the outputs' device: the
+    caller checks it once, ``cuda_call._flag_tensor``; bits the candidate's kernels OR in when they clamp bad
+    input), read after the wait by the finishing program: a non-zero word goes into the record's word 12 and is
+    a hard failure (on mode: the sticky device fallback).
 
     Contract under PDL: the kernel reads the decision word ``sstate[0]`` and ``valid_rows`` before it waits
     for the previous kernel, so the kernel directly before it on the stream must not write them (in the
@@ -151,10 +152,6 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     if spec is None:  # under PDL the decision is read before the wait: a speculative load gains nothing
         spec = n <= SPEC_NUMEL and not pdl
     has_flag = cand_flag is not None
-    if cand_flag is not None and (cand_flag.dtype != torch.int32 or cand_flag.device != base.device
-                                  or cand_flag.numel() < 1):
-        raise ValueError(f"cand_flag: expected an int32 tensor of >= 1 element on {base.device}, got "
-                         f"{cand_flag.dtype} {tuple(cand_flag.shape)} on {cand_flag.device}")
     return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
                            sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
                            hard_rel_l2 * hard_rel_l2, site_id, kind, cand_flag if has_flag else sstate,

@@ -151,7 +151,7 @@ def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     del v  # MLA: v is the first 512 columns of k (and of the cache rows)
     t = q.shape[0]
     fn = candidate_fn(q.is_cuda)
-    flag = error_flag(q.device) if q.is_cuda and _takes_error_flag(fn) else None
+    flag = _flag_of(q.get_device()) if q.is_cuda and _takes_error_flag(fn) else None
     extra = {"error_flag": flag} if flag is not None else {}
     out = fn(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
              custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len,
@@ -169,17 +169,24 @@ def _takes_error_flag(fn: Callable[..., Any]) -> bool:
     return "error_flag" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-_FLAGS: dict[torch.device, torch.Tensor] = {}
+_FLAGS: dict[int, torch.Tensor] = {}  # by CUDA device index
 
 
 def error_flag(device: torch.device) -> torch.Tensor | None:
     """The candidate's device error word on ``device`` (``tree_verify``'s ``error_flag``: int32 [1], bits OR-ed in
     when a launch clamps an out-of-range index, never cleared), one per device, shared by every call and read by
     the hook's statistics kernel (``ShadowSite(candidate_flag=...)``). Made on first use outside graph capture
-    (memory allocated while capturing would belong to that graph); None before that."""
-    flag = _FLAGS.get(device)
-    if flag is None and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        flag = _FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    (memory allocated while capturing would belong to that graph); None before that, and on CPU."""
+    if device.type != "cuda":
+        return None
+    return _flag_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _flag_of(index: int) -> torch.Tensor | None:
+    # per call: a dict lookup by device index (``q.device`` would build a device object every call)
+    flag = _FLAGS.get(index)
+    if flag is None and not torch.cuda.is_current_stream_capturing():
+        flag = _FLAGS[index] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
     return flag
 
 
