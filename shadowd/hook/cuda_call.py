@@ -5,8 +5,10 @@ Per call, on the current stream::
 
     control kernel   reads the mode / sampling / spot-check / disabled / fallback state
                      (the host's control word: an argument eagerly, its device mirror under a
-                     graph, plus device words), advances the device step and call counters,
-                     decides do_stats and use_cand for this call, stamps t0 (globaltimer)
+                     graph, plus device words) and the candidate's error word when the site has
+                     one (on mode: a raised word makes this call a checked one that the baseline
+                     serves), advances the device step and call counters, decides do_stats and
+                     use_cand for this call, stamps t0 (globaltimer)
     baseline(...)
     stamp kernel     t1
     candidate(...)   on protected inputs (clones of small tensors)
@@ -203,11 +205,13 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     gated = capturing and code == 2 and site.baseline_gate is not None
     meta = b.meta
     cfg = rt.config
+    flag = site.flag_tensor
     control_kernel[(1,)](ds.dctrl, ds.word, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
-                         int(layer == site.first_layer), min(cfg.max_draft_tokens, 2**62),
-                         min(cfg.max_prefix_len, 2**62), host_decides, do_stats, use_cand, rt.step,
-                         b.batch_size, b.draft_tokens, b.prefix_len,
-                         HAS_META=meta is not None, USE_TIMER=ds.use_timer, GATED=int(gated), PDL=ds.pdl,
+                         flag if flag is not None else ds.dstate, int(layer == site.first_layer),
+                         min(cfg.max_draft_tokens, 2**62), min(cfg.max_prefix_len, 2**62), host_decides, do_stats,
+                         use_cand, rt.step, b.batch_size, b.draft_tokens, b.prefix_len,
+                         HAS_META=meta is not None, HAS_FLAG=flag is not None, USE_TIMER=ds.use_timer,
+                         GATED=int(gated), PDL=ds.pdl,
                          **ds.pdl_opts)
     if gated:
         assert site.baseline_gate is not None

@@ -135,7 +135,9 @@ class ShadowSite:
         #: candidate is given; a non-zero word is a candidate error (``candidate_flag:0x..``: the candidate is
         #: disabled, in on mode the call falls back). On CUDA the statistics kernel reads it into the call's
         #: record (no host synchronisation; under a graph on every replay that computes statistics), so bits
-        #: raised on an unsampled call are reported by the next sampled one. ``describe_flag`` names the bits.
+        #: raised on an unsampled call are reported by the next sampled one; in on mode under a graph the control
+        #: kernel reads it too, so a word raised on a replay that was no spot check makes the next replay one (the
+        #: baseline serves it and the device falls back). ``describe_flag`` names the bits.
         self.candidate_flag = candidate_flag
         self.describe_flag = describe_flag or (lambda v: f"0x{v:x}")
         #: the CUDA path's ``candidate_flag(device)``, looked up on the site's first call outside graph capture

@@ -58,9 +58,9 @@ def pack_host_word(mode: int, sample_n: int, spot_n: int, disabled: bool, fallba
 
 @triton.jit(do_not_specialize=["host_word", "first_layer", "max_t", "max_l", "host_decides", "host_do_stats",
                                "host_use_cand", "host_step", "bs", "t", "plen"])
-def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, first_layer, max_t, max_l,
+def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag_ptr, first_layer, max_t, max_l,
                     host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
-                    USE_TIMER: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                    HAS_FLAG: tl.constexpr, USE_TIMER: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl_wait()
     # the packed word of HOST_WORD: eagerly the host's (an argument), under a graph its device mirror
@@ -97,6 +97,16 @@ def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, firs
     sampled = (step % sample_n) == 0
     spot = (step % spot_n) == 0
     publish = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
+    if HAS_FLAG:
+        # on mode: the candidate's error word, raised by an earlier call that was no spot check (its output was
+        # served unchecked), makes the device fall back now (the sticky flag the statistics kernel sets on a
+        # hard failure) rather than at the next spot check, up to spot_n - 1 calls later: the baseline runs and
+        # serves this call, and its record (published, with the word read by the statistics kernel) tells the host
+        flagged = (mode == 2) & ok & (tl.load(flag_ptr, volatile=True) != 0)
+        if flagged:
+            tl.store(dstate_ptr + 3, 1)
+        use_cand = use_cand & (~flagged)
+        publish = publish | flagged
     # Under a graph, on mode: the candidate is checked against the baseline on spot-check replays only;
     # on the others the baseline's work is gated to nothing (run_base 0, read by the gate kernel when
     # the call site has a baseline gate) and, without a gate, it still runs and every call is checked

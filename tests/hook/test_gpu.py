@@ -328,6 +328,41 @@ def test_gpu_gated_on_mode_baseline_works_only_on_spot_checks() -> None:
     assert outs[-3:] == [True, True, True] and rt.fallback, outs
 
 
+def test_gpu_gated_on_mode_raised_error_word_makes_the_next_replay_serve_the_baseline() -> None:
+    """On mode with a baseline gate and no spot check in sight: once the candidate's error word is raised (by a
+    replay whose output was served unchecked), the very next replay runs the baseline and serves it, the device
+    falls back, and the record names the word."""
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)
+    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
+    worked = torch.zeros(1, dtype=torch.int64, device="cuda")
+    word = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def base_sized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        work = sizes[0][:1] != 0
+        worked.add_(work.to(torch.int64))
+        return (gpu_base(a, b).float() * work.float()).to(torch.bfloat16)
+
+    site.baseline, site.baseline_gate = base_sized, _sizes_gate(sizes)
+    site.candidate_flag = lambda d: word
+    g, out = _capture(site, x, w, bucket)
+    _drain(rt)
+    worked.zero_()
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_cand(x, w)), "on mode serves the candidate"
+    assert _drain(rt) == [] and int(worked) == 0, "no spot check: the baseline never worked"
+    word.fill_(2)  # raised after the last replay's check: that replay's output was served unchecked
+    served = []
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        served.append("base" if torch.equal(out, gpu_base(x, w)) else "cand")
+    recs = _drain(rt)
+    assert served == ["base", "base", "base"] and int(worked) == 3, (served, int(worked))
+    assert [r["error"] for r in recs][:1] == ["candidate_flag:0x2"] and rt.fallback, recs
+
+
 def test_gpu_candidate_gate_runs_the_candidate_only_on_replays_that_use_it() -> None:
     """Validate at 1 in 3 under a graph with a candidate gate (as the SGLang site has): the candidate reads its
     work size through the gated copy, so it works on the sampled replays only (their statistics are the real

@@ -163,7 +163,7 @@ for i in range(6):
     o = s4(x, w, layer=0, bucket=bk)
     res4.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
 out["gated_outputs"] = res4
-out["gated_sizes_seen"] = seen
+out["gated_sizes_seen"] = list(seen)
 out["gated_records"] = [r["step"] for r in ds4.poll()]
 # validate under a graph with a candidate gate (as the SGLang site has): the candidate reads its work size
 # through device memory that the gate zeroes on unsampled replays and once the kill switch is off
@@ -317,6 +317,23 @@ for i in range(4):
 CAPTURE[0] = False
 out["flag_on"] = {"outputs": res13, "fallback": rt13.fallback, "reason": rt13.fallback_reason, "errors": errs13,
                   "disabled": rt13.disabled}
+# on mode with a baseline gate: a word raised by a call between spot checks (its output served unchecked) makes the
+# next replay a check: the baseline serves it, and the device falls back at once (no spot check in these 6 steps)
+cand_flagging3, FLAG3, _calls14 = flagging(2)
+rt14 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
+ds14 = rt14.device(); ds14.use_timer = False
+SIZES[0] = torch.tensor([5, 7], dtype=torch.int64)
+seen14 = len(seen)
+s14 = ShadowSite("t14", base_sized, cand_flagging3, runtime=rt14, baseline_gate=gate, candidate_flag=lambda d: FLAG3)
+res14, errs14 = [], []
+for i in range(6):
+    CAPTURE[0] = i > 0
+    o = s14(x, w, layer=0, bucket=bk)
+    res14.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
+    errs14 += [r["error"] for r in ds14.poll()]
+CAPTURE[0] = False
+out["flag_gated"] = {"outputs": res14, "sizes": seen[seen14:], "fallback": rt14.fallback,
+                     "reason": rt14.fallback_reason, "errors": errs14}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -375,6 +392,10 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert fo["outputs"] == ["cand", "cand", "base", "base"], fo
     assert fo["fallback"] and "error flag" in fo["reason"] and fo["disabled"], fo
     assert fo["errors"] == ["candidate_flag:0x1"], "the hard failure is published (step 2 was no spot check on device)"
+    fg = r["flag_gated"]
+    assert fg["outputs"] == ["cand", "cand", "cand", "base", "base", "base"], fg
+    assert fg["sizes"] == [0, 0, 5, 5, 5], "the gated baseline works from the replay after the raised word on"
+    assert fg["fallback"] and "error flag" in fg["reason"] and fg["errors"] == ["candidate_flag:0x2"], fg
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 
