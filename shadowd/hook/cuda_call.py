@@ -128,6 +128,21 @@ def _flag_tensor(site: ShadowSite, device: torch.device) -> torch.Tensor | None:
     return flag
 
 
+def _flag_seen(site: ShadowSite) -> int:
+    """Eager on mode: the candidate's error word as the last :func:`_watch_flag` copy found it (a pinned host word,
+    read without a synchronisation: the copy lands when the stream reaches it; 0 until then, or without a word)."""
+    h = site.flag_host
+    return int(h[0]) if h is not None else 0
+
+
+def _watch_flag(site: ShadowSite) -> None:
+    """Eager on mode, once per step after an unchecked candidate call: an asynchronous copy of the candidate's error
+    word into its pinned host copy, so a word raised between spot checks is seen by the calls that follow (once the
+    stream has run the copy) rather than by the next spot check, up to ``spot_every`` steps later."""
+    if site.flag_host is not None and site.flag_tensor is not None:
+        site.flag_host.copy_(site.flag_tensor.reshape(-1)[:1], non_blocking=True)
+
+
 def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: torch.Tensor,
                     out_b: torch.Tensor, slot: Slot, ds: DeviceState, b: Bucket) -> bool:
     """Eager validate, 1 in ``oracle_every`` sampled calls: the site's oracle over the original inputs, then
@@ -175,6 +190,8 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     if not site.flag_resolved and not capturing:  # looked up once, outside capture (the first call is eager)
         site.flag_resolved = True
         site.flag_tensor = _flag_tensor(site, ds.device)
+        if site.flag_tensor is not None:
+            site.flag_host = torch.zeros(1, dtype=torch.int32).pin_memory()
     code = rt.mode_code
     blocked = rt.disabled or rt.fallback
     if blocked:
@@ -187,8 +204,15 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     if not capturing:
         if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
             if not rt.spot_checked(rt.step):
+                word = _flag_seen(site)
+                if word:  # raised by an earlier unchecked call: no candidate from here on
+                    rt.fall_back(f"the candidate's error flag: {site.flag_text(word)}")
+                    site.flag_error(word)
+                    return _baseline(site, args, kwargs, p)
                 out, err = site._isolated("candidate", site.candidate, *args, **kwargs)
                 if err is None:
+                    if layer == site.first_layer:
+                        _watch_flag(site)
                     return out
                 rt.fall_back(f"candidate {err}")
                 return _baseline(site, args, kwargs, p)

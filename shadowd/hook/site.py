@@ -135,14 +135,18 @@ class ShadowSite:
         #: candidate is given; a non-zero word is a candidate error (``candidate_flag:0x..``: the candidate is
         #: disabled, in on mode the call falls back). On CUDA the statistics kernel reads it into the call's
         #: record (no host synchronisation; under a graph on every replay that computes statistics), so bits
-        #: raised on an unsampled call are reported by the next sampled one; in on mode under a graph the control
-        #: kernel reads it too, so a word raised on a replay that was no spot check makes the next replay one (the
-        #: baseline serves it and the device falls back). ``describe_flag`` names the bits.
+        #: raised on an unsampled call are reported by the next sampled one. In on mode a word raised between spot
+        #: checks falls back before the next one: under a graph the control kernel reads it on every replay (the
+        #: next replay serves the baseline), eagerly a pinned copy made once per step does (``flag_host``), and on
+        #: the CPU path the call itself does. ``describe_flag`` names the bits.
         self.candidate_flag = candidate_flag
         self.describe_flag = describe_flag or (lambda v: f"0x{v:x}")
         #: the CUDA path's ``candidate_flag(device)``, looked up on the site's first call outside graph capture
         self.flag_tensor: torch.Tensor | None = None
         self.flag_resolved = False
+        #: eager on mode on CUDA: a pinned host copy of the word, refreshed once per step by an asynchronous copy
+        #: after the candidate and read (no synchronisation) before each unchecked call (``cuda_call``)
+        self.flag_host: torch.Tensor | None = None
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()
@@ -192,6 +196,9 @@ class ShadowSite:
                     # output is recognisable on its own: never serve it (CPU path, no device sync)
                     err = "nonfinite" if isinstance(out, torch.Tensor) else "type"
                 if err is None:
+                    word = self._flag_word(out.device)  # so is a raised error word (reading it costs nothing here)
+                    err = self.flag_error(word) if word else None
+                if err is None:
                     return out
                 rt.fall_back(f"candidate {err}")
                 return self.baseline(*args, **kwargs)
@@ -229,6 +236,13 @@ class ShadowSite:
             err = "input_modified"
             self.rt.disable("candidate modified its inputs")
         return err if err is not None else self._check(out_c, out_b)
+
+    def _flag_word(self, device: Any) -> int:
+        """The candidate's error word on the CPU path (0 without a ``candidate_flag``, or when it fails)."""
+        if self.candidate_flag is None:
+            return 0
+        flag, ferr = self._isolated("candidate_flag", self.candidate_flag, device)
+        return int(flag.reshape(-1)[0]) if ferr is None and isinstance(flag, torch.Tensor) and flag.numel() else 0
 
     def flag_text(self, value: int) -> str:
         """The bits of the candidate's error word in words (``describe_flag``, isolated: hex if it fails)."""
@@ -285,9 +299,8 @@ class ShadowSite:
         out_c, err = self._isolated("candidate", self.candidate, *cargs, **ckwargs)
         t3 = time.perf_counter_ns()
         err = self._candidate_error(err, out_c, out_b, watched)
-        if err is None and self.candidate_flag is not None:  # (CPU path: reading the word costs nothing here)
-            flag, ferr = self._isolated("candidate_flag", self.candidate_flag, out_b.device)
-            value = int(flag.reshape(-1)[0]) if ferr is None and isinstance(flag, torch.Tensor) and flag.numel() else 0
+        if err is None:  # (CPU path: reading the word costs nothing here)
+            value = self._flag_word(out_b.device)
             if value:
                 err = self.flag_error(value)
         valid = b.valid_rows if isinstance(b.valid_rows, int) else None

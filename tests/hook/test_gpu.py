@@ -802,6 +802,43 @@ def test_gpu_kernel_error_flag_reaches_the_hook_eager_and_on_replay() -> None:
         kvi.copy_(good)
 
 
+def test_gpu_eager_on_mode_error_word_between_spot_checks_reaches_the_host_without_a_sync() -> None:
+    """Eager on mode, no spot check in sight: the real kernel given an out-of-range ``kv_indices`` entry raises its
+    word on an unchecked call (served: nothing has compared it); the pinned copy made after that step's call brings
+    the word to the host, and the calls after it serve the baseline — no synchronising CUDA call on the way."""
+    mtv = pytest.importorskip("mla_tree_verify")
+    from mla_tree_verify import testing
+
+    case = testing.make_case([300, 77], [5, 3], 4, seed=12, device="cuda", tree_kind="random")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def base(*a: Any) -> torch.Tensor:
+        return mtv.tree_verify(*a, max_q_len=5)
+
+    def cand(*a: Any) -> torch.Tensor:  # twice the kernel's output: which side was served is visible
+        return (mtv.tree_verify(*a, max_q_len=5, error_flag=flag).float() * 2).to(torch.bfloat16)
+
+    args = case.args()
+    bucket = Bucket(batch_size=2, draft_tokens=5, prefix_len=300, heads=4, valid_rows=int(case.q.shape[0]))
+    rt, _sink = make_runtime("on", spot_every=1000)
+    site = ShadowSite("mtv", base, cand, runtime=rt, candidate_flag=lambda d: flag,
+                      describe_flag=lambda v: "; ".join(mtv.decode_error_flag(v)))
+    assert torch.equal(site(*args, layer=0, bucket=bucket), cand(*args)), "unchecked: the candidate served"
+    case.kv_indices[7] = case.kv_buffer.shape[0] + 5
+    served = []
+    for _ in range(3):
+        torch.cuda.synchronize()  # (the test lets each call's copy land; serving never waits for it)
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call in the hook raises
+        try:
+            served.append(site(*args, layer=0, bucket=bucket))  # the first raises the word and is served
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert int(flag) == 1
+    assert torch.equal(served[0], cand(*args)), "the call that raised the word was served unchecked"
+    assert [torch.equal(o, base(*args)) for o in served[1:]] == [True, True], "after the word: the baseline served"
+    assert rt.fallback and rt.disabled and "kv_indices entry outside" in rt.disabled_reason, rt.disabled_reason
+
+
 def _capture_args(site: ShadowSite, args: tuple, bucket: Bucket, warm: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

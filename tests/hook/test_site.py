@@ -147,6 +147,28 @@ def test_on_mode_spot_check_that_sees_the_error_flag_serves_the_baseline() -> No
     assert rt.fallback and rt.disabled and sink[0]["error"] == "candidate_flag:0x1"
 
 
+def test_on_mode_between_spot_checks_a_raised_error_flag_is_never_served() -> None:
+    # no spot check in sight: the word the candidate raises on an unchecked call is read right after it (CPU path),
+    # that call serves the baseline, and the process falls back with the bits named
+    rt, sink = make_runtime("on", spot_every=1000)
+    flag = torch.zeros(1, dtype=torch.int32)
+    calls = []
+
+    def clamping(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            flag.fill_(4)
+        return cand_fn(x, w)
+
+    site = ShadowSite("s", base_fn, clamping, runtime=rt, candidate_flag=lambda device: flag,
+                      describe_flag=lambda v: f"bits {v}")
+    x, w = inputs()
+    outs = ["cand" if torch.equal(o, cand_fn(x, w)) else "base" for o in (site(x, w, layer=0) for _ in range(4))]
+    assert outs == ["cand", "base", "base", "base"] and len(calls) == 2, (outs, len(calls))
+    assert rt.fallback and rt.disabled and "bits 4" in rt.disabled_reason, (rt.fallback_reason, rt.disabled_reason)
+    assert rt.producer_stats()["device_errors"] == 1 and sink == []
+
+
 def test_a_failing_flag_description_falls_back_to_hex() -> None:
     rt, sink = make_runtime("validate")
     flag = torch.full((1,), 5, dtype=torch.int32)

@@ -334,6 +334,19 @@ for i in range(6):
 CAPTURE[0] = False
 out["flag_gated"] = {"outputs": res14, "sizes": seen[seen14:], "fallback": rt14.fallback,
                      "reason": rt14.fallback_reason, "errors": errs14}
+# eager on mode between spot checks: the word raised by an unchecked call reaches the host through the pinned copy
+# made after the step's first call (here each call is a step), and the calls after it serve the baseline
+cand_flagging4, FLAG4, calls15 = flagging(8)
+rt15 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
+ds15 = rt15.device(); ds15.use_timer = False
+s15 = ShadowSite("t15", base, cand_flagging4, runtime=rt15, candidate_flag=lambda d: FLAG4)
+res15 = []
+for i in range(5):
+    o = s15(x, w, layer=0, bucket=bk)
+    res15.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
+out["flag_eager_on"] = {"outputs": res15, "fallback": rt15.fallback, "reason": rt15.fallback_reason,
+                        "disabled": rt15.disabled, "cand_calls": len(calls15),
+                        "device_errors": rt15.producer_stats()["device_errors"]}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -396,6 +409,9 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert fg["outputs"] == ["cand", "cand", "cand", "base", "base", "base"], fg
     assert fg["sizes"] == [0, 0, 5, 5, 5], "the gated baseline works from the replay after the raised word on"
     assert fg["fallback"] and "error flag" in fg["reason"] and fg["errors"] == ["candidate_flag:0x2"], fg
+    fe = r["flag_eager_on"]
+    assert fe["outputs"] == ["cand", "cand", "cand", "base", "base"] and fe["cand_calls"] == 3, fe
+    assert fe["fallback"] and "error flag" in fe["reason"] and fe["disabled"] and fe["device_errors"] == 1, fe
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 
