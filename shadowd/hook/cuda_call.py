@@ -25,7 +25,9 @@ Per call, on the current stream::
                      0 or the fallback flag is set (so a failing spot check returns the baseline)
 
 Eagerly, Python decides (``host_decides``): an unsampled validate call runs the baseline alone and
-an unchecked on-mode call the candidate alone. Under capture the kernels decide on every replay,
+an unchecked on-mode call the candidate alone (and, once per step, an asynchronous copy of the candidate's error
+word into pinned host memory, which the unchecked calls read first: a raised word falls back before the next
+spot check). Under capture the kernels decide on every replay,
 so sampling, spot checks, the kill switch and the fallback all work without Python. A graph cannot
 skip a node, so a captured on-mode call runs the baseline too — unless the call site has a
 ``baseline_gate`` (the SGLang verify site does): then a gate kernel hands the baseline zero work sizes
