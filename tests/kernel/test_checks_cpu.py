@@ -136,3 +136,73 @@ def test_workspace_and_splits_helpers():
         mla_tree_verify.ERROR_BITS[1],
         mla_tree_verify.ERROR_BITS[4],
     ]
+
+
+def _variants():
+    """Argument sets, valid and not, over every condition the checks hold (name, overrides)."""
+    a = _args()
+    big = torch.zeros(5, 4, 576, dtype=torch.bfloat16)
+    yield "valid", {}
+    yield "causal", dict(custom_mask=None, mask_indptr=None)
+    yield "causal, stray mask_indptr", dict(custom_mask=None)
+    yield "uint8 mask, int64 indptr", dict(custom_mask=a["custom_mask"].to(torch.uint8), qo_indptr=a["qo_indptr"].long())
+    yield "outputs given", dict(out=torch.empty(5, 2, 512, dtype=torch.bfloat16), lse=torch.empty(5, 2),
+                                error_flag=torch.zeros(1, dtype=torch.int32), workspace=torch.empty(64, dtype=torch.uint8))
+    yield "2-D k and kv", dict(k_draft=a["k_draft"].reshape(5, 576), kv_buffer=a["kv_buffer"].reshape(-1, 576))
+    yield "q a strided view", dict(q=big[:, ::2])
+    yield "int sm_scale", dict(sm_scale=1)
+    yield "bool sm_scale", dict(sm_scale=True)
+    yield "q fp32", dict(q=a["q"].float())
+    yield "q 512 wide", dict(q=a["q"][:, :, :512])
+    yield "q odd head stride", dict(q=torch.zeros(5, 2, 1152, dtype=torch.bfloat16)[:, :, ::2])
+    yield "q no heads", dict(q=a["q"][:, :0])
+    yield "q token stride", dict(q=torch.zeros(5 * 2 * 576 + 4, dtype=torch.bfloat16)[4:].reshape(5, 2, 576))
+    yield "k rows", dict(k_draft=a["k_draft"][:4])
+    yield "k fp16", dict(k_draft=a["k_draft"].half())
+    yield "kv layout", dict(kv_buffer=a["kv_buffer"].reshape(-1, 2, 288))
+    yield "kv empty", dict(kv_buffer=a["kv_buffer"][:0])
+    yield "qo fp32", dict(qo_indptr=a["qo_indptr"].float())
+    yield "qo empty", dict(qo_indptr=a["qo_indptr"][:0])
+    yield "kv_indptr length", dict(kv_indptr=a["kv_indptr"][:2])
+    yield "kv_indptr strided", dict(kv_indptr=torch.zeros(6, dtype=torch.int32)[::2])
+    yield "kv_indices 2-D", dict(kv_indices=a["kv_indices"].reshape(2, -1))
+    yield "mask fp32", dict(custom_mask=a["custom_mask"].float())
+    yield "mask 2-D", dict(custom_mask=a["custom_mask"].reshape(1, -1))
+    yield "mask_indptr int16", dict(mask_indptr=a["mask_indptr"].to(torch.int16))
+    yield "mask_indptr missing", dict(mask_indptr=None)
+    yield "sm_scale nan", dict(sm_scale=float("nan"))
+    yield "sm_scale negative", dict(sm_scale=-1.0)
+    yield "sm_scale str", dict(sm_scale="0.1")
+    yield "out width", dict(out=torch.empty(5, 2, 511, dtype=torch.bfloat16))
+    yield "out fp32", dict(out=torch.empty(5, 2, 512, dtype=torch.float32))
+    yield "out odd stride", dict(out=torch.empty(5, 2, 513, dtype=torch.bfloat16)[:, :, :512])
+    yield "lse shape", dict(lse=torch.empty(5, 3))
+    yield "workspace strided", dict(workspace=torch.empty(64, dtype=torch.uint8)[::2])
+    yield "error_flag int64", dict(error_flag=torch.zeros(1, dtype=torch.int64))
+    yield "error_flag empty", dict(error_flag=torch.zeros(0, dtype=torch.int32))
+    yield "q not a tensor", dict(q=[1.0])
+
+
+@pytest.mark.parametrize("name,over", list(_variants()), ids=[n for n, _ in _variants()])
+def test_fast_acceptance_agrees_with_the_labelled_checks(name, over):
+    # validate_args first tries one expression over every condition (_accepts) and runs the labelled checks only
+    # when it does not accept: it must never accept what they refuse, and it must accept the plain valid calls
+    # (else every call would pay the slow path)
+    from mla_tree_verify._checks import _accepts, _labelled
+
+    a = _args()
+    a.update(over)
+    args = [a.get(k) for k in ("q", "k_draft", "kv_buffer", "qo_indptr", "kv_indptr", "kv_indices", "custom_mask",
+                               "mask_indptr", "sm_scale", "out", "lse", "workspace", "error_flag")]
+    try:
+        _labelled(*args, False)
+        ok = True
+    except ArgumentError:
+        ok = False
+    accepted = _accepts(*args, False)
+    assert not accepted or ok, f"{name}: accepted what the labelled checks refuse"
+    if name in ("valid", "causal", "causal, stray mask_indptr", "uint8 mask, int64 indptr", "outputs given",
+                "2-D k and kv", "q a strided view", "int sm_scale"):
+        assert accepted and ok, name
+    elif name != "bool sm_scale":
+        assert not ok, f"{name}: expected the labelled checks to refuse it"
