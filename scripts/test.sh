@@ -17,4 +17,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   bash scripts/install-sglang-cpu.sh .venv/bin/python
   echo "$want" > "$stamp"
 fi
+if [ $# -eq 0 ]; then  # the whole suite (CI): the lint and type checks pyproject.toml configures, too
+  .venv/bin/ruff check .
+  .venv/bin/mypy shadowd
+fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -145,9 +145,11 @@ def _variants():
     yield "valid", {}
     yield "causal", dict(custom_mask=None, mask_indptr=None)
     yield "causal, stray mask_indptr", dict(custom_mask=None)
-    yield "uint8 mask, int64 indptr", dict(custom_mask=a["custom_mask"].to(torch.uint8), qo_indptr=a["qo_indptr"].long())
+    yield "uint8 mask, int64 indptr", dict(custom_mask=a["custom_mask"].to(torch.uint8),
+                                           qo_indptr=a["qo_indptr"].long())
     yield "outputs given", dict(out=torch.empty(5, 2, 512, dtype=torch.bfloat16), lse=torch.empty(5, 2),
-                                error_flag=torch.zeros(1, dtype=torch.int32), workspace=torch.empty(64, dtype=torch.uint8))
+                                error_flag=torch.zeros(1, dtype=torch.int32),
+                                workspace=torch.empty(64, dtype=torch.uint8))
     yield "2-D k and kv", dict(k_draft=a["k_draft"].reshape(5, 576), kv_buffer=a["kv_buffer"].reshape(-1, 576))
     yield "q a strided view", dict(q=big[:, ::2])
     yield "int sm_scale", dict(sm_scale=1)
@@ -185,7 +187,7 @@ def _variants():
 
 @pytest.mark.parametrize("name,over", list(_variants()), ids=[n for n, _ in _variants()])
 def test_fast_acceptance_agrees_with_the_labelled_checks(name, over):
-    # validate_args first tries one expression over every condition (_accepts) and runs the labelled checks only
+    # validate_args first tests every condition inline (_accepts) and runs the labelled checks only
     # when it does not accept: it must never accept what they refuse, and it must accept the plain valid calls
     # (else every call would pay the slow path)
     from mla_tree_verify._checks import _accepts, _labelled
