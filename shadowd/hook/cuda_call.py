@@ -194,11 +194,17 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         site.flag_tensor = _flag_tensor(site, ds.device)
         if site.flag_tensor is not None:
             site.flag_host = torch.zeros(1, dtype=torch.int32).pin_memory()
+    if capturing and (id(site), layer) not in ds.slots:
+        # the layer's decision words and accumulator now come from the graph's private pool: zero-filled again at
+        # the start of every replay, and freed with the graph (SGLang's warm-up calls every layer eagerly first)
+        log.warning("shadowd[%s]: layer %d is first called under graph capture; its device state comes from the "
+                    "graph's memory pool (make one eager call of every layer before capturing)", site.name, layer)
+    slot = ds.slot(site, layer)  # made by the first eager call, whatever that call then does (an unchecked one too)
     code = rt.mode_code
     blocked = rt.disabled or rt.fallback
     if blocked:
         if rt.fallback and not rt.disabled and not capturing and rt.config.bundle_dir is not None:
-            key = ds.slot(site, layer).site_id
+            key = slot.site_id
             if ds.captures.wants(key):
                 return _capture_after_fallback(site, ds, key, args, kwargs, layer, b, p)
         return _baseline(site, args, kwargs, p)
@@ -225,7 +231,6 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         host_decides = 0
     if ds.control_dirty:  # a change made while this thread was capturing (or a failed push)
         ds.push_control()
-    slot = ds.slot(site, layer)
     slot.heads = max(1, b.heads)
     # on mode captured with a baseline gate: the baseline works only on spot-check / fallback replays
     gated = capturing and code == 2 and site.baseline_gate is not None

@@ -347,6 +347,18 @@ for i in range(5):
 out["flag_eager_on"] = {"outputs": res15, "fallback": rt15.fallback, "reason": rt15.fallback_reason,
                         "disabled": rt15.disabled, "cand_calls": len(calls15),
                         "device_errors": rt15.producer_stats()["device_errors"]}
+# a layer's device state (decision words, accumulator) is made by its first eager call, even an unchecked on-mode
+# one that runs no hook kernel: made under graph capture it would come from the graph's pool (zero-filled on every
+# replay, freed with the graph)
+rt17 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
+ds17 = rt17.device(); ds17.use_timer = False
+s17 = ShadowSite("t17", base, cand, runtime=rt17)
+o0 = s17(x, w, layer=0, bucket=bk)
+made17 = (id(s17), 0) in ds17.slots
+CAPTURE[0] = True
+o1 = s17(x, w, layer=0, bucket=bk)
+CAPTURE[0] = False
+out["slot_eager"] = {"made": made17, "unchecked": torch.equal(o0, cand(x, w)), "l0": torch.equal(o1, cand(x, w))}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -412,6 +424,7 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     fe = r["flag_eager_on"]
     assert fe["outputs"] == ["cand", "cand", "cand", "base", "base"] and fe["cand_calls"] == 3, fe
     assert fe["fallback"] and "error flag" in fe["reason"] and fe["disabled"] and fe["device_errors"] == 1, fe
+    assert r["slot_eager"] == {"made": True, "unchecked": True, "l0": True}, r["slot_eager"]
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 
