@@ -108,20 +108,27 @@ def test_large_shared_input_modification_is_detected_and_disables() -> None:
     assert sink[0]["error"] == "input_modified" and rt.disabled
 
 
+def clamping_candidate(bits: int, at_call: int = 2) -> tuple[Any, torch.Tensor, list[int]]:
+    """A candidate that raises ``bits`` in its error word (as mla_tree_verify's kernels do when they clamp bad input)
+    on its ``at_call``-th call: (candidate, the word, its calls)."""
+    flag = torch.zeros(1, dtype=torch.int32)
+    calls: list[int] = []
+
+    def clamping(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == at_call:
+            flag.bitwise_or_(bits)
+        return cand_fn(x, w)
+
+    return clamping, flag, calls
+
+
 def test_a_raised_candidate_error_flag_is_a_candidate_error_and_disables() -> None:
     # the candidate's own error word (mla_tree_verify's error_flag: bits its kernels raise when they clamp bad
     # input): the call that sees it becomes an error sample, the candidate is disabled with the bits named, and the
     # baseline's result is what returns, as for any candidate error
     rt, sink = make_runtime("validate")
-    flag = torch.zeros(1, dtype=torch.int32)
-    calls = []
-
-    def clamping(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) == 2:
-            flag.bitwise_or_(2)
-        return cand_fn(x, w)
-
+    clamping, flag, calls = clamping_candidate(2)
     site = ShadowSite("s", base_fn, clamping, runtime=rt, candidate_flag=lambda device: flag,
                       describe_flag=lambda v: f"slot out of range ({v})")
     x, w = inputs()
@@ -151,15 +158,7 @@ def test_on_mode_between_spot_checks_a_raised_error_flag_is_never_served() -> No
     # no spot check in sight: the word the candidate raises on an unchecked call is read right after it (CPU path),
     # that call serves the baseline, and the process falls back with the bits named
     rt, sink = make_runtime("on", spot_every=1000)
-    flag = torch.zeros(1, dtype=torch.int32)
-    calls = []
-
-    def clamping(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) == 2:
-            flag.fill_(4)
-        return cand_fn(x, w)
-
+    clamping, flag, calls = clamping_candidate(4)
     site = ShadowSite("s", base_fn, clamping, runtime=rt, candidate_flag=lambda device: flag,
                       describe_flag=lambda v: f"bits {v}")
     x, w = inputs()
