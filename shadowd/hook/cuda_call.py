@@ -133,16 +133,17 @@ def _flag_tensor(site: ShadowSite, device: torch.device) -> torch.Tensor | None:
 def _flag_seen(site: ShadowSite) -> int:
     """Eager on mode: the candidate's error word as the last :func:`_watch_flag` copy found it (a pinned host word,
     read without a synchronisation: the copy lands when the stream reaches it; 0 until then, or without a word)."""
-    h = site.flag_host
-    return int(h[0]) if h is not None else 0
+    w = site.flag_watch
+    return int(w[2][0]) if w is not None else 0  # (a numpy read: indexing the tensor would cost a tensor op)
 
 
 def _watch_flag(site: ShadowSite) -> None:
     """Eager on mode, once per step after an unchecked candidate call: an asynchronous copy of the candidate's error
     word into its pinned host copy, so a word raised between spot checks is seen by the calls that follow (once the
     stream has run the copy) rather than by the next spot check, up to ``spot_every`` steps later."""
-    if site.flag_host is not None and site.flag_tensor is not None:
-        site.flag_host.copy_(site.flag_tensor.reshape(-1)[:1], non_blocking=True)
+    w = site.flag_watch
+    if w is not None:
+        w[1].copy_(w[0], non_blocking=True)
 
 
 def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: torch.Tensor,
@@ -192,8 +193,9 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     if not site.flag_resolved and not capturing:  # looked up once, outside capture (the first call is eager)
         site.flag_resolved = True
         site.flag_tensor = _flag_tensor(site, ds.device)
-        if site.flag_tensor is not None:
-            site.flag_host = torch.zeros(1, dtype=torch.int32).pin_memory()
+        if site.flag_tensor is not None:  # (views and buffers made once here, not per call)
+            host = torch.zeros(1, dtype=torch.int32).pin_memory()
+            site.flag_watch = (site.flag_tensor.reshape(-1)[:1], host, host.numpy())
     if capturing and (id(site), layer) not in ds.slots:
         # the layer's decision words and accumulator now come from the graph's private pool: zero-filled again at
         # the start of every replay, and freed with the graph (SGLang's warm-up calls every layer eagerly first)

@@ -137,16 +137,17 @@ class ShadowSite:
         #: record (no host synchronisation; under a graph on every replay that computes statistics), so bits
         #: raised on an unsampled call are reported by the next sampled one. In on mode a word raised between spot
         #: checks falls back before the next one: under a graph the control kernel reads it on every replay (the
-        #: next replay serves the baseline), eagerly a pinned copy made once per step does (``flag_host``), and on
+        #: next replay serves the baseline), eagerly a pinned copy made once per step does (``flag_watch``), and on
         #: the CPU path the call itself does. ``describe_flag`` names the bits.
         self.candidate_flag = candidate_flag
         self.describe_flag = describe_flag or (lambda v: f"0x{v:x}")
         #: the CUDA path's ``candidate_flag(device)``, looked up on the site's first call outside graph capture
         self.flag_tensor: torch.Tensor | None = None
         self.flag_resolved = False
-        #: eager on mode on CUDA: a pinned host copy of the word, refreshed once per step by an asynchronous copy
-        #: after the candidate and read (no synchronisation) before each unchecked call (``cuda_call``)
-        self.flag_host: torch.Tensor | None = None
+        #: eager on mode on CUDA: (the word's one-element device view, a pinned host copy, that copy's numpy view),
+        #: the copy refreshed once per step by an asynchronous copy after the candidate and read (no synchronisation,
+        #: no tensor op) before each unchecked call (``cuda_call``)
+        self.flag_watch: tuple[torch.Tensor, torch.Tensor, Any] | None = None
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()
