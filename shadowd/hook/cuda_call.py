@@ -22,7 +22,9 @@ Per call, on the current stream::
                      slot's sequence number last behind a system-scope release, and resets
                      the accumulator for the next call
     select kernel    (on mode only) the call's output: candidate, or baseline when use_cand is
-                     0 or the fallback flag is set (so a failing spot check returns the baseline)
+                     0 or the fallback flag is set (so a failing spot check returns the baseline);
+                     a served candidate output with a NaN / Inf in a real row makes the layer's
+                     next call a spot check (sstate[15], read by the next control kernel)
 
 Eagerly, Python decides (``host_decides``): an unsampled validate call runs the baseline alone and
 an unchecked on-mode call the candidate alone (and, once per step, an asynchronous copy of the candidate's error
@@ -300,6 +302,11 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         return out_b
     out = torch.empty_like(out_b)
     n = out.numel()
+    valid = b.valid_rows  # the real rows (a graph batch's padded rows hold whatever: not checked for NaN / Inf)
+    row = n // out.shape[0] if out.dim() and out.shape[0] else 1
+    limit = min(n, valid * row) if isinstance(valid, int) else n
+    has_valid = isinstance(valid, torch.Tensor)
     select_kernel[(triton.cdiv(n, BLOCK),)](out, out_c.contiguous(), out_b.contiguous(), n, slot.sstate, ds.dstate,
+                                          valid if has_valid else slot.sstate, row, limit, HAS_VALID=has_valid,
                                           BLOCK=BLOCK, PDL=ds.pdl, **ds.pdl_opts)
     return out

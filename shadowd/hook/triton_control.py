@@ -15,7 +15,8 @@
   candidate) is gated off;
 * :func:`stamp_kernel` — a global-timer stamp between the implementations (device time per call);
 * :func:`select_kernel` — the output served in on mode: the candidate's, unless the call's decision or
-  the sticky fallback flag says the baseline's.
+  the sticky fallback flag says the baseline's; a served candidate output holding a NaN or an Inf makes the
+  layer's next call a spot check (``sstate[15]``, read by the control kernel).
 
 On sm_90+ the hook launches them with programmatic dependent launch (``PDL``): each waits for the previous
 kernel first (:func:`pdl_wait`), so only its launch overlaps that kernel's tail.
@@ -97,6 +98,14 @@ def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag
     sampled = (step % sample_n) == 0
     spot = (step % spot_n) == 0
     publish = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
+    # on mode: a served candidate output held a NaN or an Inf (sstate[15], raised by the select kernel of an
+    # earlier call whose output was served unchecked): this call is a spot check, so a candidate that makes
+    # non-finite values where the baseline does not is caught now, not up to spot_n - 1 calls later (a word
+    # consumed by this call, checked or not: it never carries over to a later mode)
+    nonfinite = tl.load(sstate_ptr + 15)
+    if nonfinite != 0:
+        tl.store(sstate_ptr + 15, 0)
+    publish = publish | ((mode == 2) & ok & covered & (nonfinite != 0))
     if HAS_FLAG:
         # on mode: the candidate's error word, raised by an earlier call that was no spot check (its output was
         # served unchecked), makes the device fall back now (the sticky flag the statistics kernel sets on a
@@ -166,14 +175,27 @@ def _stamp_kernel(sstate_ptr, idx, USE_TIMER: tl.constexpr, PDL: tl.constexpr):
         tl.store(sstate_ptr + idx, tl.extra.cuda.globaltimer().to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["n"])
-def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "row_numel", "limit"])
+def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, valid_ptr, row_numel, limit,
+                   HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl_wait()
     use = (tl.load(sstate_ptr + 1) != 0) & (tl.load(dstate_ptr + 3) == 0)
+    # the real rows' elements (padded rows of a graph batch hold whatever): an int count of them, or read from
+    # device memory beside the decision words (one round trip for all three)
+    real_n = tl.load(valid_ptr).to(tl.int64) * row_numel if HAS_VALID else limit
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    v = tl.load(c_ptr + offs, mask=m) if use else tl.load(b_ptr + offs, mask=m)
+    if use:
+        v = tl.load(c_ptr + offs, mask=m)
+        f = v.to(tl.float32)
+        real = offs < real_n
+        # x - x is NaN exactly where x is NaN or ±Inf: the served candidate output holds a non-finite value in a
+        # real row, so the layer's next call is a spot check (the control kernel reads and clears sstate[15])
+        # (every lane that holds one stores the same 1: no reduction, no barrier, nothing stored in the common case)
+        tl.store(sstate_ptr + 15 + offs * 0, tl.full([BLOCK], 1, tl.int64), mask=((f - f) != 0.0) & real)
+    else:
+        v = tl.load(b_ptr + offs, mask=m)
     tl.store(out_ptr + offs, v, mask=m)
 
 

@@ -54,15 +54,37 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def ineligible(backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, sinks: Any = None,
                score_mod: Any = None, aux_tensors: Any = None) -> str | None:
     """Why this ``forward_extend`` call is not shadowed (None: it is)."""
+    return (_step_reason(backend, forward_batch) or _layer_reason(backend, layer)
+            or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors))
+
+
+def _step_reason(backend: Any, forward_batch: Any) -> str | None:
+    """What excludes every layer's call of this forward (the common pass-through: prefill, decode, drafts)."""
     if getattr(backend, "is_draft_runner", False):
         return "draft runner"
     mode = getattr(forward_batch, "forward_mode", None)
     if mode is None or not mode.is_target_verify():
         return "not target verify"
-    if not getattr(backend, "use_mla", False):
-        return "not MLA"
+    return None
+
+
+def _call_reason(q: Any, k: Any, v: Any, forward_batch: Any, sinks: Any, score_mod: Any,
+                 aux_tensors: Any) -> str | None:
+    """What excludes this one call (its arguments)."""
     if k is None or v is None or sinks is not None or score_mod is not None or aux_tensors is not None:
         return "k/v missing or sinks/score_mod/aux_tensors"
+    if getattr(forward_batch, "mha_one_shot", False):
+        return "MHA one-shot"
+    if q.dtype not in _DTYPES or q.shape[0] != k.shape[0] or k.shape[-1] != D_QK:
+        return "dtype/shape"
+    return None
+
+
+def _layer_reason(backend: Any, layer: Any) -> str | None:
+    """What excludes a layer on this backend whatever the call: fixed once the model is loaded (cached by
+    :class:`VerifyShadow` per backend and layer)."""
+    if not getattr(backend, "use_mla", False):
+        return "not MLA"
     if getattr(layer, "qk_head_dim", None) != D_QK or getattr(layer, "v_head_dim", None) != D_V:
         return "not absorbed MLA (576/512)"
     if getattr(layer, "k_scale", None) is not None or getattr(layer, "v_scale", None) is not None:
@@ -77,10 +99,6 @@ def ineligible(backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: 
         return "not causal decoder self-attention"
     if getattr(backend, "dcp_size", 1) != 1 or getattr(backend, "dllm_attention", None) is not None:
         return "DCP / DLLM"
-    if getattr(forward_batch, "mha_one_shot", False):
-        return "MHA one-shot"
-    if q.dtype not in _DTYPES or q.shape[0] != k.shape[0] or k.shape[-1] != D_QK:
-        return "dtype/shape"
     return None
 
 
@@ -94,6 +112,8 @@ class VerifyShadow:
         self.passed = 0
         self.shadowed = 0
         self.reasons: dict[str, int] = {}
+        # per (backend, layer) id: the objects (so a reused id is never mistaken for them) and _layer_reason's answer
+        self._layer_reasons: dict[tuple[int, int], tuple[Any, Any, str | None]] = {}
 
     def _site(self, backend: Any) -> ShadowSite:
         if self.site is None:
@@ -120,7 +140,8 @@ class VerifyShadow:
         if why is None and rt.mode_code == 0:
             why = "mode off"
         if why is None:
-            why = ineligible(backend, q, k, v, layer, forward_batch, sinks, score_mod, aux_tensors)
+            why = (_step_reason(backend, forward_batch) or self._layer_reason(backend, layer)
+                   or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors))
         if why is not None:
             self.passed += 1
             self.reasons[why] = self.reasons.get(why, 0) + 1
@@ -145,6 +166,15 @@ class VerifyShadow:
             return attn_out
         return out
 
+    def _layer_reason(self, backend: Any, layer: Any) -> str | None:
+        # the attributes read are fixed once the model is loaded: computed on a layer's first verify call only
+        key = (id(backend), id(layer))
+        hit = self._layer_reasons.get(key)
+        if hit is None or hit[0] is not backend or hit[1] is not layer:
+            hit = (backend, layer, _layer_reason(backend, layer))
+            self._layer_reasons[key] = hit
+        return hit[2]
+
     @staticmethod
     def _write_kv(backend: Any, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
         """The draft K/V into the cache at ``out_cache_loc``: the very calls ``forward_extend`` makes."""
@@ -156,12 +186,18 @@ class VerifyShadow:
     @staticmethod
     def _bucket(q: torch.Tensor, heads: int, forward_batch: Any, md: Any, site: ShadowSite,
                 layer_id: int) -> Bucket:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        rows = q.shape[0]
+        if not capturing:  # eagerly every layer of a step has the same bucket: made by its first call
+            hit = getattr(forward_batch, "_shadowd_bucket", None)
+            if hit is not None and hit[0] is md and hit[1] == rows and hit[2] == heads:
+                return hit[3]
         bs = max(1, int(getattr(forward_batch, "batch_size", 0) or md.qo_indptr.shape[0] - 1))
-        draft = max(1, int(md.max_extend_len) if md.max_extend_len else q.shape[0] // bs)
+        draft = max(1, int(md.max_extend_len) if md.max_extend_len else rows // bs)
         prefix = 0
         meta = None
         seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing:
             # On replay no Python runs: the shape the kernels record comes from device memory. One meta
             # per forward, rebuilt by the first layer inside the capture (so it is part of the graph).
             meta = getattr(forward_batch, "_shadowd_meta", None)
@@ -170,8 +206,10 @@ class VerifyShadow:
                 forward_batch._shadowd_meta = meta
         elif seq_cpu is not None and len(seq_cpu):
             prefix = int(max(seq_cpu[:bs].tolist()))
-        valid = q.shape[0]
-        return Bucket(batch_size=bs, draft_tokens=draft, prefix_len=prefix, heads=heads, valid_rows=valid, meta=meta)
+        bucket = Bucket(batch_size=bs, draft_tokens=draft, prefix_len=prefix, heads=heads, valid_rows=rows, meta=meta)
+        if not capturing:
+            forward_batch._shadowd_bucket = (md, rows, heads, bucket)
+        return bucket
 
 
 def _device_meta(kv_indptr: torch.Tensor, bs: int, draft: int) -> torch.Tensor:

@@ -363,6 +363,46 @@ def test_gpu_gated_on_mode_raised_error_word_makes_the_next_replay_serve_the_bas
     assert [r["error"] for r in recs][:1] == ["candidate_flag:0x2"] and rt.fallback, recs
 
 
+def test_gpu_gated_on_mode_served_nan_makes_the_next_replay_a_spot_check() -> None:
+    """On mode with a baseline gate and no spot check in sight: a replay that serves a candidate output holding a
+    NaN in a real row makes the next replay a spot check, which finds the candidate non-finite where the baseline
+    is not: the baseline serves from then on. A NaN in a padded row (beyond ``valid_rows``) changes nothing."""
+    rt, site, x, w, valid, _meta, bucket = _graph_site("on", spot_every=1000)
+    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
+    worked = torch.zeros(1, dtype=torch.int64, device="cuda")
+    poison = torch.zeros(ROWS, N, dtype=torch.bfloat16, device="cuda")
+
+    def base_sized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        work = sizes[0][:1] != 0
+        worked.add_(work.to(torch.int64))
+        return (gpu_base(a, b).float() * work.float()).to(torch.bfloat16)
+
+    site.baseline, site.baseline_gate = base_sized, _sizes_gate(sizes)
+    site.candidate = lambda a, b: gpu_cand(a, b) + poison
+    real = ROWS - 4
+    valid.fill_(real)
+    g, out = _capture(site, x, w, bucket)
+    _drain(rt)
+    worked.zero_()
+    poison[ROWS - 1, 3] = float("nan")  # a padded row: nobody's output
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:real], gpu_cand(x, w)[:real]), "on mode serves the candidate"
+    assert _drain(rt) == [] and int(worked) == 0 and not rt.fallback, "a padded row's NaN triggers nothing"
+    poison[5, 3] = float("nan")  # a real row from now on
+    served = []
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        o = out[:real]
+        served.append("nan" if bool(o.isnan().any()) else "base" if torch.equal(o, gpu_base(x, w)[:real])
+                      else "cand")
+    recs = _drain(rt)
+    assert served == ["nan", "base", "base"] and int(worked) == 2, (served, int(worked))
+    assert rt.fallback and [r["cand_nonfinite"] for r in recs][:1] == [1], recs
+
+
 def test_gpu_candidate_gate_runs_the_candidate_only_on_replays_that_use_it() -> None:
     """Validate at 1 in 3 under a graph with a candidate gate (as the SGLang site has): the candidate reads its
     work size through the gated copy, so it works on the sampled replays only (their statistics are the real

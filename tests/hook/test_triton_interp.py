@@ -347,6 +347,37 @@ for i in range(5):
 out["flag_eager_on"] = {"outputs": res15, "fallback": rt15.fallback, "reason": rt15.fallback_reason,
                         "disabled": rt15.disabled, "cand_calls": len(calls15),
                         "device_errors": rt15.producer_stats()["device_errors"]}
+# on mode with a baseline gate: a served candidate output holding a NaN in a real row (a call between spot checks)
+# makes the layer's next replay a spot check, which catches the candidate's non-finite output and falls back; a NaN
+# in a padded row (beyond valid_rows) is nobody's output and changes nothing
+def nan_from_third_call(row):
+    calls = []
+    def candidate(x, w):
+        calls.append(1)
+        o = cand(x, w)
+        if len(calls) >= 3:
+            o = o.clone()
+            o[row, 1] = float("nan")
+        return o
+    return candidate
+def nan_run(row):
+    rt16 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
+    ds16 = rt16.device(); ds16.use_timer = False
+    SIZES[0] = torch.tensor([5, 7], dtype=torch.int64)
+    seen16 = len(seen)
+    s16 = ShadowSite("t16", base_sized, nan_from_third_call(row), runtime=rt16, baseline_gate=gate)
+    res16, recs16 = [], []
+    for i in range(6):
+        CAPTURE[0] = i > 0
+        o = s16(x, w, layer=0, bucket=bk)[:12]  # the real rows
+        res16.append("cand" if torch.equal(o, cand(x, w)[:12]) else "nan" if bool(o.isnan().any())
+                     else "base" if torch.equal(o, base(x, w)[:12]) else "?")
+        recs16 += ds16.poll()
+    CAPTURE[0] = False
+    return {"outputs": res16, "sizes": seen[seen16:], "fallback": rt16.fallback,
+            "records": [[r["step"], r["cand_nonfinite"]] for r in recs16]}
+out["nan_gated"] = nan_run(4)
+out["nan_padded"] = nan_run(14)
 # a layer's device state (decision words, accumulator) is made by its first eager call, even an unchecked on-mode
 # one that runs no hook kernel: made under graph capture it would come from the graph's pool (zero-filled on every
 # replay, freed with the graph)
@@ -424,6 +455,12 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     fe = r["flag_eager_on"]
     assert fe["outputs"] == ["cand", "cand", "cand", "base", "base"] and fe["cand_calls"] == 3, fe
     assert fe["fallback"] and "error flag" in fe["reason"] and fe["disabled"] and fe["device_errors"] == 1, fe
+    ng = r["nan_gated"]  # the third call's NaN is served (unchecked); the fourth is a spot check that catches it
+    assert ng["outputs"] == ["cand", "cand", "nan", "base", "base", "base"], ng
+    assert ng["sizes"] == [0, 0, 5, 5, 5] and ng["fallback"] and [c for _s, c in ng["records"]] == [1], ng
+    npad = r["nan_padded"]
+    assert npad["outputs"] == ["cand"] * 6 and npad["sizes"] == [0] * 5, npad
+    assert not npad["fallback"] and npad["records"] == [], npad
     assert r["slot_eager"] == {"made": True, "unchecked": True, "l0": True}, r["slot_eager"]
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc

@@ -91,6 +91,26 @@ def test_validate_returns_triton_exactly_one_sample_per_layer(sgl: Any, fresh_pl
     assert {s["new_requests"] for s in samples[1:]} == {None}
 
 
+def test_each_step_buckets_its_own_shape_on_the_same_backend_and_layers(sgl: Any, fresh_plugins: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's bucket is made by its first layer's call and reused by the others; the next step (new forward
+    metadata, as SGLang makes every step, here even in the same ForwardBatch object) gets its own."""
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    case = make_case(sgl)
+    run_layers(case)
+    nxt = make_case(sgl, prefix=(30, 9), seed=1)
+    case.backend.forward_metadata = nxt.backend.forward_metadata
+    case.backend.token_to_kv_pool = nxt.pool
+    case.forward_batch.seq_lens_cpu = nxt.forward_batch.seq_lens_cpu
+    case.forward_batch.out_cache_loc = nxt.forward_batch.out_cache_loc
+    case.q, case.k = nxt.q, nxt.k
+    run_layers(case)
+    got = [(s["step"], s["layer"], s["prefix_len"]) for s in samples]
+    assert got == [(1, 0, 13), (1, 1, 13), (1, 2, 13), (2, 0, 30), (2, 1, 30), (2, 2, 30)], got
+    assert all(s["error"] is None and s["max_abs"] < 1e-4 for s in samples), samples
+
+
 def test_validate_oracle_sampling_records_both_sides_errors(sgl: Any, fresh_plugins: Any,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     expected = run_layers(make_case(sgl))
