@@ -130,6 +130,7 @@ def tree_verify(
     error_flag: torch.Tensor | None = None,
     max_q_len: int | None = None,
     num_splits: int | None = None,
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA tree-verify attention (SGLang target-verify layout), one launch (+ combine).
 
@@ -155,6 +156,9 @@ def tree_verify(
         error_flag:  optional int32 [1] CUDA tensor; bits are OR-ed in (see ERROR_BITS), never cleared.
         max_q_len:   upper bound of T_b (default ΣT); launch shape depends on it, not on device data.
         num_splits:  KV splits (default: choose_num_splits from shapes; reduced to fit ``workspace``).
+        nonfinite_flag: optional int32 [1] CUDA tensor, set to 1 when an element written to ``out`` is NaN or
+                     +-Inf (what the inputs give - a NaN in a visible KV row, say - not an argument error; a
+                     caller may compare such a call against a reference), never cleared.
 
     Returns ``out``.  Host-side checks only (dtype, device, shape, strides): no device reads,
     no synchronisation, so the call is CUDA-graph capturable given static ``out``/``workspace``.
@@ -178,6 +182,7 @@ def tree_verify(
         workspace,
         error_flag,
         require_cuda=True,
+        nonfinite_flag=nonfinite_flag,
     )
     total_tokens, heads = q.shape[0], q.shape[1]
     batch = qo_indptr.shape[0] - 1
@@ -217,5 +222,6 @@ def tree_verify(
         int(max_q_len),
         num_splits,
         _current_stream(q),
+        nonfinite_flag,
     )
     return out

@@ -70,7 +70,7 @@ def _rows576(x: Any, name: str, d: int) -> int:
 
 
 def _accepts(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sm_scale, out, lse,
-             workspace, error_flag, require_cuda) -> bool:
+             workspace, error_flag, nonfinite_flag, require_cuda) -> bool:
     """Every condition of :func:`validate_args`, inline (no helper calls, no messages): True only when the labelled
     checks would pass too; on False they run and name what is wrong.  An eager call pays these checks on every
     launch, so the common case is kept to attribute reads and comparisons (~2.5x faster than the labelled checks;
@@ -125,11 +125,11 @@ def _accepts(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mas
         if workspace is not None and (not isinstance(workspace, t) or not workspace.is_contiguous()
                                       or workspace.data_ptr() % 16):
             return False
-        if error_flag is not None and (not isinstance(error_flag, t) or error_flag.dtype != torch.int32
-                                       or error_flag.numel() < 1):
-            return False
+        for flag in (error_flag, nonfinite_flag):
+            if flag is not None and (not isinstance(flag, t) or flag.dtype != torch.int32 or flag.numel() < 1):
+                return False
         tensors = (q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
-                   mask_indptr if custom_mask is not None else None, out, lse, workspace, error_flag)
+                   mask_indptr if custom_mask is not None else None, out, lse, workspace, error_flag, nonfinite_flag)
         if require_cuda:
             if not q.is_cuda:
                 return False
@@ -160,16 +160,17 @@ def validate_args(
     workspace=None,
     error_flag=None,
     require_cuda: bool = True,
+    nonfinite_flag=None,
 ) -> None:
     """Raise :class:`ArgumentError` naming the first unusable argument."""
     if not _accepts(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sm_scale, out,
-                    lse, workspace, error_flag, require_cuda):
+                    lse, workspace, error_flag, nonfinite_flag, require_cuda):
         _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sm_scale, out,
-                  lse, workspace, error_flag, require_cuda)
+                  lse, workspace, error_flag, nonfinite_flag, require_cuda)
 
 
 def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sm_scale, out, lse,
-              workspace, error_flag, require_cuda) -> None:
+              workspace, error_flag, nonfinite_flag, require_cuda) -> None:
     """The checks one by one, each naming its argument (what :func:`validate_args` runs when :func:`_accepts`
     does not accept)."""
     import math
@@ -234,10 +235,11 @@ def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_ma
         _tensor(workspace, "workspace")
         _need(workspace.is_contiguous(), "workspace", "must be contiguous")
         _need(workspace.data_ptr() % 16 == 0, "workspace", "must be 16-byte aligned")
-    if error_flag is not None:
-        _tensor(error_flag, "error_flag")
-        _dtype(error_flag, "error_flag", ("torch.int32",))
-        _need(error_flag.numel() >= 1, "error_flag", "needs at least one element")
+    for flag, flag_name in ((error_flag, "error_flag"), (nonfinite_flag, "nonfinite_flag")):
+        if flag is not None:
+            _tensor(flag, flag_name)
+            _dtype(flag, flag_name, ("torch.int32",))
+            _need(flag.numel() >= 1, flag_name, "needs at least one element")
     tensors = {
         "q": q,
         "k_draft": k_draft,
@@ -251,6 +253,7 @@ def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_ma
         "lse": lse,
         "workspace": workspace,
         "error_flag": error_flag,
+        "nonfinite_flag": nonfinite_flag,
     }
     if require_cuda:
         dev = q.get_device() if q.is_cuda else None  # (is_cuda and get_device() are cheap; .device builds an object)

@@ -51,6 +51,7 @@ class MtvArgs(ctypes.Structure):
         ("max_q_len", _i32),
         ("num_splits", _i32),
         ("sm_scale", ctypes.c_float),
+        ("nonfinite_flag", _c_p),
     ]
 
 
@@ -106,6 +107,7 @@ def launch(
     max_q_len,
     num_splits,
     stream,
+    nonfinite_flag=None,
 ) -> None:
     lib = load()
     a = MtvArgs()
@@ -126,6 +128,8 @@ def launch(
         a.workspace_floats = workspace.numel() * workspace.element_size() // 4
     if error_flag is not None:
         a.error_flag = error_flag.data_ptr()
+    if nonfinite_flag is not None:
+        a.nonfinite_flag = nonfinite_flag.data_ptr()
     a.batch, a.total_tokens, a.heads = batch, total_tokens, heads
     a.max_q_len, a.num_splits, a.sm_scale = max_q_len, num_splits, sm_scale
     rc = lib.mtv_tree_verify(ctypes.byref(a), ctypes.c_void_p(stream))

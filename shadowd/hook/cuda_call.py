@@ -29,7 +29,8 @@ Per call, on the current stream::
 Eagerly, Python decides (``host_decides``): an unsampled validate call runs the baseline alone and
 an unchecked on-mode call the candidate alone (and, once per step, an asynchronous copy of the candidate's error
 word into pinned host memory, which the unchecked calls read first: a raised word falls back before the next
-spot check). Under capture the kernels decide on every replay,
+spot check; with it comes the candidate's non-finite output word when it has one, and a raised one makes every
+call of the next step a checked one). Under capture the kernels decide on every replay,
 so sampling, spot checks, the kill switch and the fallback all work without Python. A graph cannot
 skip a node, so a captured on-mode call runs the baseline too — unless the call site has a
 ``baseline_gate`` (the SGLang verify site does): then a gate kernel hands the baseline zero work sizes
@@ -139,6 +140,18 @@ def _flag_seen(site: ShadowSite) -> int:
     return int(w[2][0]) if w is not None else 0  # (a numpy read: indexing the tensor would cost a tensor op)
 
 
+def _nonfinite_seen(site: ShadowSite) -> bool:
+    """Eager on mode: the candidate's non-finite output word (the second element of its ``candidate_flag``) as the
+    last :func:`_watch_flag` copy found it; a raised word is cleared here, on the device and in the copy (rare: a
+    fill launch on the stream, before the candidate's next launch)."""
+    w = site.flag_watch
+    if w is None or w[2].shape[0] < 2 or not w[2][1]:
+        return False
+    w[0][1:2].zero_()
+    w[2][1] = 0
+    return True
+
+
 def _watch_flag(site: ShadowSite) -> None:
     """Eager on mode, once per step after an unchecked candidate call: an asynchronous copy of the candidate's error
     word into its pinned host copy, so a word raised between spot checks is seen by the calls that follow (once the
@@ -196,8 +209,9 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         site.flag_resolved = True
         site.flag_tensor = _flag_tensor(site, ds.device)
         if site.flag_tensor is not None:  # (views and buffers made once here, not per call)
-            host = torch.zeros(1, dtype=torch.int32).pin_memory()
-            site.flag_watch = (site.flag_tensor.reshape(-1)[:1], host, host.numpy())
+            words = site.flag_tensor.reshape(-1)[:2]  # the error word, and the non-finite word when there is one
+            host = torch.zeros(words.shape[0], dtype=torch.int32).pin_memory()
+            site.flag_watch = (words, host, host.numpy())
     if capturing and (id(site), layer) not in ds.slots:
         # the layer's decision words and accumulator now come from the graph's private pool: zero-filled again at
         # the start of every replay, and freed with the graph (SGLang's warm-up calls every layer eagerly first)
@@ -215,12 +229,14 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     host_decides, do_stats, use_cand = 1, 1, 0
     if not capturing:
         if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
-            if not rt.spot_checked(rt.step):
+            if not rt.spot_checked(rt.step) and site.check_step != rt.step:
                 word = _flag_seen(site)
                 if word:  # raised by an earlier unchecked call: no candidate from here on
                     rt.fall_back(f"the candidate's error flag: {site.flag_text(word)}")
                     site.flag_error(word)
                     return _baseline(site, args, kwargs, p)
+                if _nonfinite_seen(site):  # an unchecked call wrote a NaN / Inf: the next step is checked whole
+                    site.check_step = rt.step + 1
                 out, err = site._isolated("candidate", site.candidate, *args, **kwargs)
                 if err is None:
                     if layer == site.first_layer:

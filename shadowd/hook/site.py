@@ -138,16 +138,24 @@ class ShadowSite:
         #: raised on an unsampled call are reported by the next sampled one. In on mode a word raised between spot
         #: checks falls back before the next one: under a graph the control kernel reads it on every replay (the
         #: next replay serves the baseline), eagerly a pinned copy made once per step does (``flag_watch``), and on
-        #: the CPU path the call itself does. ``describe_flag`` names the bits.
+        #: the CPU path the call itself does. ``describe_flag`` names the bits. The tensor may hold a second
+        #: element, the candidate's *non-finite output* word (``mla_tree_verify``'s ``nonfinite_flag``: set when it
+        #: writes a NaN or an Inf): eagerly in on mode, where unchecked calls run no hook kernel, the per-step copy
+        #: brings it along and a raised word makes every call of the next step a checked one (the origin layer's
+        #: inputs are clean again there, the later layers' were not), then the hook clears it; under a graph the
+        #: select kernel sees a served NaN / Inf itself, per layer.
         self.candidate_flag = candidate_flag
         self.describe_flag = describe_flag or (lambda v: f"0x{v:x}")
         #: the CUDA path's ``candidate_flag(device)``, looked up on the site's first call outside graph capture
         self.flag_tensor: torch.Tensor | None = None
         self.flag_resolved = False
-        #: eager on mode on CUDA: (the word's one-element device view, a pinned host copy, that copy's numpy view),
-        #: the copy refreshed once per step by an asynchronous copy after the candidate and read (no synchronisation,
-        #: no tensor op) before each unchecked call (``cuda_call``)
+        #: eager on mode on CUDA: (the words' device view — the error word, and the non-finite word when there is
+        #: one —, a pinned host copy, that copy's numpy view), the copy refreshed once per step by an asynchronous
+        #: copy after the candidate and read (no synchronisation, no tensor op) before each unchecked call
+        #: (``cuda_call``)
         self.flag_watch: tuple[torch.Tensor, torch.Tensor, Any] | None = None
+        #: eager on mode: the step whose every call is checked (the candidate's non-finite word was seen)
+        self.check_step = -1
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()

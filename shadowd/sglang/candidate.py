@@ -20,8 +20,10 @@ clones of the small tensors and watch the large ones (the KV cache):
 * :func:`candidate` — ``mla_tree_verify.tree_verify`` on CUDA (reads the cache, never writes it;
   its own output tensor). On CPU (tests) the fp32 oracle ``mla_tree_verify.oracle`` stands in.
   ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``). On CUDA it is
-  passed :func:`error_flag`, the device word its kernels raise bits in when they clamp an out-of-range
-  index; the hook's statistics kernel reads it (:func:`describe_flag` names the bits).
+  passed :func:`error_flag`'s two words: ``error_flag``, the word its kernels raise bits in when they clamp an
+  out-of-range index (the hook's statistics kernel reads it; :func:`describe_flag` names the bits), and
+  ``nonfinite_flag``, the word they set when they write a NaN or an Inf (eager on mode compares the next step
+  when it is set).
 * :func:`oracle` — the site's reference for oracle sampling (``SHADOWD_ORACLE``, eager calls only):
   ``mla_tree_verify.oracle`` in float32 over the same inputs (it gathers only the rows a draft may see,
   the prefix in chunks of 4096 rows, so its memory stays bounded at 200k-token prefixes), ``[T, H*512]``
@@ -151,8 +153,12 @@ def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     del v  # MLA: v is the first 512 columns of k (and of the cache rows)
     t = q.shape[0]
     fn = candidate_fn(q.is_cuda)
-    flag = _flag_of(q.get_device()) if q.is_cuda and _takes_error_flag(fn) else None
-    extra = {"error_flag": flag} if flag is not None else {}
+    words = _flag_of(q.get_device()) if q.is_cuda else None
+    extra: dict[str, torch.Tensor] = {}
+    if words is not None:
+        for name, word in zip(_WORD_NAMES, words[1:], strict=True):
+            if _takes(fn, name):
+                extra[name] = word
     out = fn(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
              custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len,
              **extra)
@@ -160,34 +166,40 @@ def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 @functools.cache
-def _takes_error_flag(fn: Callable[..., Any]) -> bool:
-    # a SHADOWD_CANDIDATE written before the flag existed keeps working without one
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    # a SHADOWD_CANDIDATE written before a word existed keeps working without it
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "error_flag" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-_FLAGS: dict[int, torch.Tensor] = {}  # by CUDA device index
+_WORD_NAMES = ("error_flag", "nonfinite_flag")
+#: by CUDA device index: the int32 [2] words, and views of its two elements (made once: a view per call costs)
+_FLAGS: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def error_flag(device: torch.device) -> torch.Tensor | None:
-    """The candidate's device error word on ``device`` (``tree_verify``'s ``error_flag``: int32 [1], bits OR-ed in
-    when a launch clamps an out-of-range index, never cleared), one per device, shared by every call and read by
-    the hook's statistics kernel (``ShadowSite(candidate_flag=...)``). Made on first use outside graph capture
-    (memory allocated while capturing would belong to that graph); None before that, and on CPU."""
+    """The candidate's device words on ``device``, int32 [2], one pair per device shared by every call
+    (``ShadowSite(candidate_flag=...)``): element 0 is ``tree_verify``'s ``error_flag`` (bits OR-ed in when a launch
+    clamps an out-of-range index, never cleared by it; read by the hook's statistics kernel), element 1 its
+    ``nonfinite_flag`` (set when a launch writes a NaN or an Inf; eager on mode reads it once per step and clears
+    it). Made on first use outside graph capture (memory allocated while capturing would belong to that graph);
+    None before that, and on CPU."""
     if device.type != "cuda":
         return None
-    return _flag_of(device.index if device.index is not None else torch.cuda.current_device())
+    words = _flag_of(device.index if device.index is not None else torch.cuda.current_device())
+    return words[0] if words is not None else None
 
 
-def _flag_of(index: int) -> torch.Tensor | None:
+def _flag_of(index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     # per call: a dict lookup by device index (``q.device`` would build a device object every call)
-    flag = _FLAGS.get(index)
-    if flag is None and not torch.cuda.is_current_stream_capturing():
-        flag = _FLAGS[index] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
-    return flag
+    words = _FLAGS.get(index)
+    if words is None and not torch.cuda.is_current_stream_capturing():
+        both = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", index))
+        words = _FLAGS[index] = (both, both[:1], both[1:])
+    return words
 
 
 def describe_flag(value: int) -> str:

@@ -879,6 +879,48 @@ def test_gpu_eager_on_mode_error_word_between_spot_checks_reaches_the_host_witho
     assert rt.fallback and rt.disabled and "kv_indices entry outside" in rt.disabled_reason, rt.disabled_reason
 
 
+def test_gpu_eager_on_mode_nonfinite_word_makes_the_next_step_a_checked_one() -> None:
+    """Eager on mode, no spot check in sight: the real kernel writes a NaN (its KV holds one that the baseline's does
+    not) and raises its non-finite word; the per-step copy brings the word to the host, the next step is checked
+    whole, the check finds the candidate non-finite where the baseline is not, and the baseline serves from then on —
+    no synchronising CUDA call on the way."""
+    mtv = pytest.importorskip("mla_tree_verify")
+    from mla_tree_verify import testing
+
+    case = testing.make_case([300, 77], [5, 3], 4, seed=14, device="cuda", tree_kind="random")
+    words = torch.zeros(2, dtype=torch.int32, device="cuda")
+    poisoned = case.kv_buffer.clone()
+    poisoned[int(case.kv_indices[7])] = float("nan")  # a prefix row of request 0: visible to its every draft
+    kv = [case.kv_buffer]
+
+    def base(*a: Any) -> torch.Tensor:
+        return mtv.tree_verify(*a, max_q_len=5)
+
+    def cand(q: Any, k: Any, _kv: Any, *a: Any) -> torch.Tensor:
+        return mtv.tree_verify(q, k, kv[0], *a, max_q_len=5, error_flag=words[:1], nonfinite_flag=words[1:])
+
+    args = case.args()
+    bucket = Bucket(batch_size=2, draft_tokens=5, prefix_len=300, heads=4, valid_rows=int(case.q.shape[0]))
+    rt, _sink = make_runtime("on", spot_every=1000)
+    site = ShadowSite("mtv", base, cand, runtime=rt, candidate_flag=lambda d: words)
+    assert torch.equal(site(*args, layer=0, bucket=bucket), base(*args)), "unchecked: the candidate served"
+    kv[0] = poisoned
+    served, records = [], []
+    for _ in range(4):
+        torch.cuda.synchronize()  # (the test lets each step's copy land and drains the ring; serving never waits)
+        records += rt.device().poll()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call in the hook raises
+        try:
+            served.append(site(*args, layer=0, bucket=bucket))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    records += _drain(rt)
+    kinds = ["nan" if bool(o.isnan().any()) else "base" if torch.equal(o, base(*args)) else "?" for o in served]
+    # the first NaN step raises the word, the next sees it (one layer per step here), the one after is checked
+    assert kinds == ["nan", "nan", "base", "base"], kinds
+    assert rt.fallback and not rt.disabled and [r["cand_nonfinite"] > 0 for r in records] == [True], records
+
+
 def _capture_args(site: ShadowSite, args: tuple, bucket: Bucket, warm: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

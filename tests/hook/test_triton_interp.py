@@ -350,7 +350,9 @@ out["flag_eager_on"] = {"outputs": res15, "fallback": rt15.fallback, "reason": r
 # on mode with a baseline gate: a served candidate output holding a NaN in a real row (a call between spot checks)
 # makes the layer's next replay a spot check, which catches the candidate's non-finite output and falls back; a NaN
 # in a padded row (beyond valid_rows) is nobody's output and changes nothing
-def nan_from_third_call(row):
+def nan_from_third_call(row, words=None):
+    """A candidate whose output holds a NaN at ``row`` from its third call on (raising ``words[1]``, its non-finite
+    output word, when given)."""
     calls = []
     def candidate(x, w):
         calls.append(1)
@@ -358,8 +360,15 @@ def nan_from_third_call(row):
         if len(calls) >= 3:
             o = o.clone()
             o[row, 1] = float("nan")
+            if words is not None:
+                words[1] = 1
         return o
     return candidate
+def served(o):
+    """Which output a call served, over the real rows."""
+    o = o[:12]
+    return ("cand" if torch.equal(o, cand(x, w)[:12]) else "nan" if bool(o.isnan().any())
+            else "base" if torch.equal(o, base(x, w)[:12]) else "?")
 def nan_run(row):
     rt16 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
     ds16 = rt16.device(); ds16.use_timer = False
@@ -369,14 +378,25 @@ def nan_run(row):
     res16, recs16 = [], []
     for i in range(6):
         CAPTURE[0] = i > 0
-        o = s16(x, w, layer=0, bucket=bk)[:12]  # the real rows
-        res16.append("cand" if torch.equal(o, cand(x, w)[:12]) else "nan" if bool(o.isnan().any())
-                     else "base" if torch.equal(o, base(x, w)[:12]) else "?")
+        res16.append(served(s16(x, w, layer=0, bucket=bk)))
         recs16 += ds16.poll()
     CAPTURE[0] = False
     return {"outputs": res16, "sizes": seen[seen16:], "fallback": rt16.fallback,
             "records": [[r["step"], r["cand_nonfinite"]] for r in recs16]}
 out["nan_gated"] = nan_run(4)
+# eager on mode, no spot check in sight: the candidate's second word (its non-finite output word, as mla_tree_verify's
+# nonfinite_flag) comes to the host with the per-step copy; once seen, the next step is checked whole (here one layer
+# per step: the step after the one that saw it), which catches the NaN and falls back
+WORDS = torch.zeros(2, dtype=torch.int32)
+rt18 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
+ds18 = rt18.device(); ds18.use_timer = False
+s18 = ShadowSite("t18", base, nan_from_third_call(4, WORDS), runtime=rt18, candidate_flag=lambda d: WORDS)
+res18, recs18 = [], []
+for i in range(6):
+    res18.append(served(s18(x, w, layer=0, bucket=bk)))
+    recs18 += ds18.poll()
+out["nan_word_eager"] = {"outputs": res18, "fallback": rt18.fallback, "disabled": rt18.disabled,
+                         "records": [[r["cand_nonfinite"], r["error"]] for r in recs18], "word": WORDS.tolist()}
 out["nan_padded"] = nan_run(14)
 # a layer's device state (decision words, accumulator) is made by its first eager call, even an unchecked on-mode
 # one that runs no hook kernel: made under graph capture it would come from the graph's pool (zero-filled on every
@@ -461,6 +481,10 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     npad = r["nan_padded"]
     assert npad["outputs"] == ["cand"] * 6 and npad["sizes"] == [0] * 5, npad
     assert not npad["fallback"] and npad["records"] == [], npad
+    nw = r["nan_word_eager"]  # steps 3 and 4 served the NaN (4 saw the word); step 5, checked whole, caught it
+    assert nw["outputs"] == ["cand", "cand", "nan", "nan", "base", "base"], nw
+    assert nw["fallback"] and not nw["disabled"] and nw["records"] == [[1, None]], nw
+    assert nw["word"] == [0, 1], "the word the checked call raised again stays for the next eager step"
     assert r["slot_eager"] == {"made": True, "unchecked": True, "l0": True}, r["slot_eager"]
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc

@@ -32,12 +32,15 @@ def main() -> int:
         out = torch.empty(total, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(total, H, dtype=torch.float32, device="cuda")
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        nonfinite = torch.zeros(1, dtype=torch.int32, device="cuda")
         mla_tree_verify.tree_verify(
-            *case.args(), out=out, lse=lse, error_flag=flag, max_q_len=case.max_q_len, num_splits=splits
+            *case.args(), out=out, lse=lse, error_flag=flag, max_q_len=case.max_q_len, num_splits=splits,
+            nonfinite_flag=nonfinite,
         )
         torch.cuda.synchronize()
         print(
-            case.desc, "splits", splits, "flag", int(flag.item()), "finite", bool(torch.isfinite(out).all())
+            case.desc, "splits", splits, "flag", int(flag.item()), "finite", bool(torch.isfinite(out).all()),
+            "nonfinite_flag", int(nonfinite.item()),
         )
     return 0
 

@@ -79,6 +79,8 @@ def test_bad_argument_is_named(name, bad):
         ("out", torch.empty(5, 2, 512, dtype=torch.float32)),
         ("lse", torch.empty(5, 3)),
         ("error_flag", torch.zeros(1, dtype=torch.int64)),
+        ("nonfinite_flag", torch.zeros(1, dtype=torch.float32)),
+        ("nonfinite_flag", torch.zeros(0, dtype=torch.int32)),
     ],
 )
 def test_bad_output_is_named(name, val):
@@ -149,6 +151,7 @@ def _variants():
                                            qo_indptr=a["qo_indptr"].long())
     yield "outputs given", dict(out=torch.empty(5, 2, 512, dtype=torch.bfloat16), lse=torch.empty(5, 2),
                                 error_flag=torch.zeros(1, dtype=torch.int32),
+                                nonfinite_flag=torch.zeros(1, dtype=torch.int32),
                                 workspace=torch.empty(64, dtype=torch.uint8))
     yield "2-D k and kv", dict(k_draft=a["k_draft"].reshape(5, 576), kv_buffer=a["kv_buffer"].reshape(-1, 576))
     yield "q a strided view", dict(q=big[:, ::2])
@@ -182,6 +185,8 @@ def _variants():
     yield "workspace strided", dict(workspace=torch.empty(64, dtype=torch.uint8)[::2])
     yield "error_flag int64", dict(error_flag=torch.zeros(1, dtype=torch.int64))
     yield "error_flag empty", dict(error_flag=torch.zeros(0, dtype=torch.int32))
+    yield "nonfinite_flag float", dict(nonfinite_flag=torch.zeros(1))
+    yield "nonfinite_flag empty", dict(nonfinite_flag=torch.zeros(0, dtype=torch.int32))
     yield "q not a tensor", dict(q=[1.0])
 
 
@@ -195,7 +200,8 @@ def test_fast_acceptance_agrees_with_the_labelled_checks(name, over):
     a = _args()
     a.update(over)
     args = [a.get(k) for k in ("q", "k_draft", "kv_buffer", "qo_indptr", "kv_indptr", "kv_indices", "custom_mask",
-                               "mask_indptr", "sm_scale", "out", "lse", "workspace", "error_flag")]
+                               "mask_indptr", "sm_scale", "out", "lse", "workspace", "error_flag",
+                               "nonfinite_flag")]
     try:
         _labelled(*args, False)
         ok = True

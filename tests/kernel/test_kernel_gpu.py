@@ -15,11 +15,16 @@ pytestmark = [
 HAVE_TRITON = torch.cuda.is_available() and testing.sglang_triton_available()
 
 
+#: the ``nonfinite_flag`` of the latest :func:`_run` (0 or 1)
+NONFINITE = [0]
+
+
 def _run(case, num_splits=None, lse=True, **kw):
     total, H = case.q.shape[0], case.q.shape[1]
     out = testing.poison_(torch.empty(total, H, 512, dtype=torch.bfloat16, device="cuda"))
     lse_t = testing.poison_(torch.empty(total, H, dtype=torch.float32, device="cuda")) if lse else None
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    nonfinite = torch.zeros(1, dtype=torch.int32, device="cuda")
     mla_tree_verify.tree_verify(
         *case.args(),
         out=out,
@@ -27,9 +32,11 @@ def _run(case, num_splits=None, lse=True, **kw):
         error_flag=flag,
         max_q_len=case.max_q_len,
         num_splits=num_splits,
+        nonfinite_flag=nonfinite,
         **kw,
     )
     torch.cuda.synchronize()
+    NONFINITE[0] = int(nonfinite.item())
     return out, lse_t, int(flag.item())
 
 
@@ -48,7 +55,7 @@ def _assert_matches_oracle(case, splits=(None, 1, 5)):
         torch.cuda.synchronize()
     for n in splits:
         out, lse, flag = _run(case, num_splits=n)
-        assert flag == 0, (case.desc, n, flag)
+        assert flag == 0 and NONFINITE[0] == 0, (case.desc, n, flag, NONFINITE[0])
         assert torch.isfinite(out).all(), (case.desc, n, "unwritten/non-finite output")
         ok, info = testing.pass_rule(out, ref, tri)
         assert ok, (case.desc, n, info)
@@ -110,7 +117,7 @@ def test_small_call_schedule_nonfinite_leaf_stays_in_its_rows(splits):
     ref, _ = _oracle(case)
     out, _, _ = _run(case, num_splits=splits)
     nf_ref = ~torch.isfinite(ref)
-    assert nf_ref.any() and (~nf_ref).any()
+    assert nf_ref.any() and (~nf_ref).any() and NONFINITE[0] == 1
     assert torch.equal(nf_ref, ~torch.isfinite(out)), (nf_ref.sum().item(), (~torch.isfinite(out)).sum().item())
     assert (out.double()[~nf_ref] - ref[~nf_ref]).abs().max().item() < 0.05
 
@@ -161,7 +168,7 @@ def test_nonfinite_exactly_where_oracle(where, splits):
     out, _, _ = _run(case, num_splits=splits)
     nf_ref = ~torch.isfinite(ref)
     nf_out = ~torch.isfinite(out)
-    assert nf_ref.any()
+    assert nf_ref.any() and NONFINITE[0] == 1, "nonfinite_flag raised by a NaN / Inf output"
     assert torch.equal(nf_ref, nf_out), (where, nf_ref.sum().item(), nf_out.sum().item())
     if where != "prefix":
         assert (~nf_ref).any()  # the leak would make everything non-finite
@@ -186,7 +193,7 @@ def test_all_zero_indptr_is_no_work_and_no_error():
     empty = dataclasses.replace(case, qo_indptr=torch.zeros_like(case.qo_indptr),
                                 kv_indptr=torch.zeros_like(case.kv_indptr))
     out, lse, flag = _run(empty)
-    assert flag == 0
+    assert flag == 0 and NONFINITE[0] == 0, "the poison left in place is no output of the kernel's"
     assert torch.isnan(out).all() and torch.isnan(lse).all()  # still the poison: nothing written
 
 

@@ -276,17 +276,18 @@ def test_site_reads_the_kernels_error_flag() -> None:
 
 
 def test_a_custom_candidate_without_an_error_flag_parameter_is_not_given_one() -> None:
-    """``SHADOWD_CANDIDATE`` functions written before the flag existed keep working: the word is passed only to a
-    function that takes it (``tree_verify`` does)."""
+    """``SHADOWD_CANDIDATE`` functions written before a word existed keep working: each word is passed only to a
+    function that takes it (``tree_verify`` takes both)."""
     import mla_tree_verify
 
-    from shadowd.sglang.candidate import _takes_error_flag
+    from shadowd.sglang.candidate import _takes
 
-    assert _takes_error_flag(mla_tree_verify.tree_verify)
-    assert _takes_error_flag(lambda *a, **kw: None)
+    for word in ("error_flag", "nonfinite_flag"):
+        assert _takes(mla_tree_verify.tree_verify, word)
+        assert _takes(lambda *a, **kw: None, word)
 
     def older(q: Any, k: Any, kv: Any, qo: Any, kvp: Any, kvi: Any, m: Any, mi: Any, s: Any,
-              max_q_len: Any = None) -> Any:
+              max_q_len: Any = None, error_flag: Any = None) -> Any:
         return q
 
-    assert not _takes_error_flag(older)
+    assert _takes(older, "error_flag") and not _takes(older, "nonfinite_flag")

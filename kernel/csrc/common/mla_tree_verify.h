@@ -31,6 +31,7 @@ typedef struct MtvArgs {
   int32_t* error_flag;      // int32 [1] device memory, bits OR-ed in (see README)
   int32_t batch, total_tokens, heads, max_q_len, num_splits;
   float sm_scale;
+  int32_t* nonfinite_flag;  // int32 [1] device memory or NULL: set to 1 when an output element is NaN or +-Inf
 } MtvArgs;
 
 // Launches the kernel(s) on `stream`. Returns 0 or a cudaError_t / negative argument code.

@@ -68,6 +68,7 @@ template <int G, int MI>
 __device__ __forceinline__ void store_output(const MtvArgs& a, const float (&o_acc)[MI][8][4], const float* l_sm,
                                              const float* m_sm, int64_t q_start, int row0, int M, int H, int nmi,
                                              int warp, int g, int c4) {
+  bool bad = false;  // a NaN or an Inf written by this thread (nonfinite_flag)
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -83,13 +84,15 @@ __device__ __forceinline__ void store_output(const MtvArgs& a, const float (&o_a
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
         const int col = warp * 64 + n * 8 + 2 * c4;
-        *reinterpret_cast<__nv_bfloat162*>(op + col) =
-            __floats2bfloat162_rn(o_acc[mi][n][hr * 2] * inv, o_acc[mi][n][hr * 2 + 1] * inv);
+        const __nv_bfloat162 v = __floats2bfloat162_rn(o_acc[mi][n][hr * 2] * inv, o_acc[mi][n][hr * 2 + 1] * inv);
+        *reinterpret_cast<__nv_bfloat162*>(op + col) = v;
+        bad |= nonfinite2(v);
       }
       if (a.lse != nullptr && warp == 0 && c4 == 0)
         a.lse[tok * a.lse_s0 + (int64_t)h * a.lse_s1] = row_lse2(l, m_sm[lr]) * 0.6931471805599453f;
     }
   }
+  if (bad && a.nonfinite_flag != nullptr) atomicOr(a.nonfinite_flag, 1);
 }
 
 // G: warps per m16 row tile in the S phase (2: K halves, for CTAs with 3-4 live row tiles; 4: K

@@ -56,6 +56,12 @@ __device__ __forceinline__ void set_err(int32_t* err, int32_t bits) {
   if (err != nullptr) atomicOr(err, bits);
 }
 
+// a bf16 pair holds a NaN or an Inf: either half's exponent field is all ones
+__device__ __forceinline__ bool nonfinite2(__nv_bfloat162 v) {
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(&v);
+  return ((u & 0x7F80u) == 0x7F80u) | ((u & 0x7F800000u) == 0x7F800000u);
+}
+
 __device__ __forceinline__ Req load_req(const MtvArgs& a, int b, bool report) {
   Req r;
   int64_t q0 = ld_idx(a.qo_indptr, a.qo_is64, b), q1 = ld_idx(a.qo_indptr, a.qo_is64, b + 1);
@@ -320,8 +326,11 @@ __global__ void __launch_bounds__(128) mtv_combine_kernel(const MtvArgs a) {
   const float inv = wsum > 0.f ? 1.f / wsum : (wsum == 0.f ? 0.f : wsum);
   if (nan) acc.x = acc.y = acc.z = acc.w = __int_as_float(0x7fffffff);
   __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(a.o) + tok * a.o_s0 + (int64_t)h * a.o_s1 + col;
-  *reinterpret_cast<__nv_bfloat162*>(op) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<__nv_bfloat162*>(op + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  const __nv_bfloat162 v01 = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  const __nv_bfloat162 v23 = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<__nv_bfloat162*>(op) = v01;
+  *reinterpret_cast<__nv_bfloat162*>(op + 2) = v23;
+  if (a.nonfinite_flag != nullptr && (nonfinite2(v01) | nonfinite2(v23))) atomicOr(a.nonfinite_flag, 1);
   if (a.lse != nullptr && blockIdx.y == 0 && tid == 0) {
     const float lse2 = nan ? __int_as_float(0x7fffffff) : (wsum > 0.f ? mx + log2f(wsum) : -INFINITY);
     a.lse[tok * a.lse_s0 + (int64_t)h * a.lse_s1] = lse2 * 0.6931471805599453f;
