@@ -34,10 +34,11 @@ def reference(c: np.ndarray, b: np.ndarray) -> dict:
     bc, cc = b[cmp], c[cmp]
     sd2, sb2, sc2 = float((d * d).sum()), float((bc * bc).sum()), float((cc * cc).sum())
     pos = np.flatnonzero(cmp)[int(np.argmax(d))] if d.size else -1
+    with np.errstate(over="ignore"):  # fp32 division, as both paths do: it may overflow to inf, as theirs does
+        rel = float((d.astype(np.float32) / np.maximum(np.abs(bc), TINY).astype(np.float32)).max()) if d.size else 0.0
     out.update(max_abs=float(d.max()) if d.size else 0.0, max_pos=int(pos),
                mean_abs=float(d.mean()) if d.size else 0.0,
-               max_rel=float((d.astype(np.float32) / np.maximum(np.abs(bc), TINY).astype(np.float32)).max())
-               if d.size else 0.0,  # fp32 division, as both paths do (may overflow to inf)
+               max_rel=rel,
                rel_l2=math.sqrt(sd2 / sb2) if sb2 > 0 else (0.0 if sd2 == 0 else math.inf),
                cos_diff=sd2 / (sc2 + sb2) if sc2 + sb2 > 0 else 0.0)
     return out
