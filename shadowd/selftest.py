@@ -88,10 +88,24 @@ def _bind(fn: Candidate, case: Any) -> Callable[[], Any]:
     return call
 
 
+def _words_raised(err: torch.Tensor, nonfinite: torch.Tensor, out: torch.Tensor) -> str | None:
+    """What the candidate's own words say about a valid case whose output the pass rule accepted (None: nothing):
+    an error bit on valid input would disable the candidate in serving, a non-finite word over a finite output would
+    make the hook check calls for nothing."""
+    bits, nf = int(err.item()), int(nonfinite.item())
+    if bits:
+        return f"error_flag 0x{bits:x} raised on valid input"
+    if nf and bool(torch.isfinite(out).all()):
+        return "nonfinite_flag raised over a finite output"
+    return None
+
+
 def run_selftest(candidate: Candidate, device: str | torch.device, specs: list[dict[str, Any]],
                  echo: Callable[[str], None] = print, use_triton: bool | None = None,
-                 time_it: bool = True) -> SelftestReport:
-    """Run ``candidate`` (tree_verify's signature) over ``specs`` against the oracle (and Triton)."""
+                 time_it: bool = True, words: bool = False) -> SelftestReport:
+    """Run ``candidate`` (tree_verify's signature) over ``specs`` against the oracle (and Triton). ``words``: also
+    hand it ``error_flag`` and ``nonfinite_flag`` (int32 [1] each, as the SGLang site does) and fail a case that
+    raises either on its valid, finite inputs."""
     from mla_tree_verify import oracle, testing
 
     dev = torch.device(device)
@@ -102,10 +116,13 @@ def run_selftest(candidate: Candidate, device: str | torch.device, specs: list[d
         case = testing.make_case(**{"seed": i, **spec}, device=dev)
         try:
             ref = oracle.attention(*case.args(), dtype=torch.float64)
-            out = candidate(*case.args(), max_q_len=case.max_q_len)
+            extra = ({"error_flag": torch.zeros(1, dtype=torch.int32, device=dev),
+                      "nonfinite_flag": torch.zeros(1, dtype=torch.int32, device=dev)} if words else {})
+            out = candidate(*case.args(), max_q_len=case.max_q_len, **extra)
             tri = testing.run_sglang_triton(case) if use_triton else None
             ok, info = testing.pass_rule(out, ref, tri)
-            res = CaseResult(case.desc, ok, info)
+            raised = _words_raised(extra["error_flag"], extra["nonfinite_flag"], out) if words else None
+            res = CaseResult(case.desc, ok and raised is None, info, error=raised)
             if time_it:
                 res.cand_us = _time_us(_bind(candidate, case), dev)
                 if use_triton:
@@ -147,7 +164,7 @@ def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None
     except RuntimeError as exc:
         echo(f"kernel build failed: {exc}")
         return 1
-    report = run_selftest(mla_tree_verify.tree_verify, "cuda", default_sweep(quick, seed=seed), echo)
+    report = run_selftest(mla_tree_verify.tree_verify, "cuda", default_sweep(quick, seed=seed), echo, words=True)
     failed = [r for r in report.results if not r.passed]
     echo(f"{len(report.results) - len(failed)}/{len(report.results)} cases passed on {name}")
     return 0 if report.passed else 1

@@ -41,6 +41,28 @@ def test_a_biased_or_crashing_candidate_fails():
     assert not report.passed and len(report.results) == 2 and "illegal memory access" in lines[0]
 
 
+def test_a_candidate_raising_its_words_on_valid_input_fails():
+    # selftest hands the kernel its error and non-finite words, as the SGLang site does: a raised error bit would
+    # disable it in serving, a non-finite word over a finite output would make the hook check calls for nothing
+    def honest(*args, max_q_len=None, error_flag=None, nonfinite_flag=None):
+        return reference.attention(*args)
+
+    def flags_errors(*args, max_q_len=None, error_flag=None, nonfinite_flag=None):
+        error_flag.fill_(4)
+        return reference.attention(*args)
+
+    def flags_nonfinite(*args, max_q_len=None, error_flag=None, nonfinite_flag=None):
+        nonfinite_flag.fill_(1)
+        return reference.attention(*args)
+
+    assert run_selftest(honest, "cpu", SMALL[:1], echo=lambda s: None, time_it=False, words=True).passed
+    for fn, why in ((flags_errors, "error_flag 0x4 raised on valid input"),
+                    (flags_nonfinite, "nonfinite_flag raised over a finite output")):
+        lines = []
+        report = run_selftest(fn, "cpu", SMALL[:1], echo=lines.append, time_it=False, words=True)
+        assert not report.passed and why in lines[0], lines
+
+
 def test_sweep_covers_the_contract_shapes():
     specs = default_sweep()
     assert any(257 in s["tree_sizes"] for s in specs)
