@@ -181,6 +181,8 @@ def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, valid_ptr, 
     if PDL:
         pdl_wait()
     use = (tl.load(sstate_ptr + 1) != 0) & (tl.load(dstate_ptr + 3) == 0)
+    # a checked call's output was compared before this kernel: a NaN / Inf it serves is one the baseline has too
+    unchecked = tl.load(sstate_ptr) == 0
     # the real rows' elements (padded rows of a graph batch hold whatever): an int count of them, or read from
     # device memory beside the decision words (one round trip for all three)
     real_n = tl.load(valid_ptr).to(tl.int64) * row_numel if HAS_VALID else limit
@@ -190,10 +192,11 @@ def _select_kernel(out_ptr, c_ptr, b_ptr, n, sstate_ptr, dstate_ptr, valid_ptr, 
         v = tl.load(c_ptr + offs, mask=m)
         f = v.to(tl.float32)
         real = offs < real_n
-        # x - x is NaN exactly where x is NaN or ±Inf: the served candidate output holds a non-finite value in a
+        # x - x is NaN exactly where x is NaN or ±Inf: an unchecked candidate output holds a non-finite value in a
         # real row, so the layer's next call is a spot check (the control kernel reads and clears sstate[15])
         # (every lane that holds one stores the same 1: no reduction, no barrier, nothing stored in the common case)
-        tl.store(sstate_ptr + 15 + offs * 0, tl.full([BLOCK], 1, tl.int64), mask=((f - f) != 0.0) & real)
+        if unchecked:
+            tl.store(sstate_ptr + 15 + offs * 0, tl.full([BLOCK], 1, tl.int64), mask=((f - f) != 0.0) & real)
     else:
         v = tl.load(b_ptr + offs, mask=m)
     tl.store(out_ptr + offs, v, mask=m)
