@@ -360,6 +360,7 @@ def nan_from_third_call(row, words=None):
         if len(calls) >= 3:
             o = o.clone()
             o[row, 1] = float("nan")
+            NAN_ON[0] = True
             if words is not None:
                 words[1] = 1
         return o
@@ -369,42 +370,32 @@ def served(o):
     o = o[:12]
     return ("cand" if torch.equal(o, cand(x, w)[:12]) else "nan" if bool(o.isnan().any())
             else "base" if torch.equal(o, base(x, w)[:12]) else "?")
-def nan_run(row):
+NAN_ON = [False]  # raised by nan_from_third_call's third call: a baseline that reads it makes the same NaN
+def base_nan(x, w):
+    o = base_sized(x, w)
+    if NAN_ON[0]:
+        o = o.clone()
+        o[4, 1] = float("nan")
+    return o
+def nan_run(row, baseline=base_sized, calls=6):
     rt16 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
     ds16 = rt16.device(); ds16.use_timer = False
     SIZES[0] = torch.tensor([5, 7], dtype=torch.int64)
     seen16 = len(seen)
-    s16 = ShadowSite("t16", base_sized, nan_from_third_call(row), runtime=rt16, baseline_gate=gate)
+    NAN_ON[0] = False
+    s16 = ShadowSite("t16", baseline, nan_from_third_call(row), runtime=rt16, baseline_gate=gate)
     res16, recs16 = [], []
-    for i in range(6):
+    for i in range(calls):
         CAPTURE[0] = i > 0
         res16.append(served(s16(x, w, layer=0, bucket=bk)))
         recs16 += ds16.poll()
     CAPTURE[0] = False
     return {"outputs": res16, "sizes": seen[seen16:], "fallback": rt16.fallback,
-            "records": [[r["step"], r["cand_nonfinite"]] for r in recs16]}
+            "records": [[r["cand_nonfinite"], r["nan_base"]] for r in recs16]}
 out["nan_gated"] = nan_run(4)
 # a NaN the baseline makes too (the model's own): the triggered spot check finds no mismatch, the candidate stays, and
 # the checked call's NaN (compared, the baseline's too) triggers nothing: one check per unchecked NaN, not every call
-def base_nan(x, w):
-    o = base_sized(x, w)
-    if len(seen) - seen_legit >= 2:
-        o = o.clone()
-        o[4, 1] = float("nan")
-    return o
-rt19 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
-ds19 = rt19.device(); ds19.use_timer = False
-SIZES[0] = torch.tensor([5, 7], dtype=torch.int64)
-seen_legit = len(seen) + 1  # (the first call is eager and unchecked: the baseline does not run)
-s19 = ShadowSite("t19", base_nan, nan_from_third_call(4), runtime=rt19, baseline_gate=gate)
-res19, recs19 = [], []
-for i in range(7):
-    CAPTURE[0] = i > 0
-    res19.append(served(s19(x, w, layer=0, bucket=bk)))
-    recs19 += ds19.poll()
-CAPTURE[0] = False
-out["nan_legit"] = {"outputs": res19, "sizes": seen[seen_legit - 1:], "fallback": rt19.fallback,
-                    "records": [[r["cand_nonfinite"], r["nan_base"]] for r in recs19]}
+out["nan_legit"] = nan_run(4, base_nan, 7)
 # eager on mode, no spot check in sight: the candidate's second word (its non-finite output word, as mla_tree_verify's
 # nonfinite_flag) comes to the host with the per-step copy; once seen, the next step is checked whole (here one layer
 # per step: the step after the one that saw it), which catches the NaN and falls back
@@ -498,7 +489,7 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert fe["fallback"] and "error flag" in fe["reason"] and fe["disabled"] and fe["device_errors"] == 1, fe
     ng = r["nan_gated"]  # the third call's NaN is served (unchecked); the fourth is a spot check that catches it
     assert ng["outputs"] == ["cand", "cand", "nan", "base", "base", "base"], ng
-    assert ng["sizes"] == [0, 0, 5, 5, 5] and ng["fallback"] and [c for _s, c in ng["records"]] == [1], ng
+    assert ng["sizes"] == [0, 0, 5, 5, 5] and ng["fallback"] and ng["records"] == [[1, 0]], ng
     nl = r["nan_legit"]  # NaN from call 3 on, on both sides: checks at calls 4 and 6 (each after an unchecked NaN)
     assert nl["outputs"] == ["cand", "cand", "nan", "nan", "nan", "nan", "nan"] and not nl["fallback"], nl
     assert nl["sizes"] == [0, 0, 5, 0, 5, 0] and nl["records"] == [[0, 1], [0, 1]], nl
