@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -29,6 +30,19 @@ from shadowd.hook.runtime import HookRuntime
 from shadowd.hook.site import ShadowSite
 from shadowd.hook.spool import Spool
 from shadowd.hook.streamer import Streamer
+
+
+def cpu_header(script: str) -> tuple[str, datetime.datetime]:
+    """A CPU bench's results heading (script, UTC time, CPU, Python, torch, commit) and that time."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
+    except OSError:
+        commit = "unknown"
+    now = datetime.datetime.now(datetime.UTC)
+    return (f"## bench/{script} — {now:%Y-%m-%d %H:%M} UTC — {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__} — "
+            f"commit {commit}\n\n"), now
 
 
 def per_call(fn, n: int) -> float:
@@ -77,16 +91,8 @@ def main() -> int:
     xs = torch.randn(16, 64).to(torch.bfloat16)
     full = ShadowSite("b", lambda a: a * 2, lambda a: a + a, runtime=full_rt)
     full_t = per_call(lambda: full(xs, layer=0), 2000)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
-    except OSError:
-        commit = "unknown"
-    now = datetime.datetime.now(datetime.UTC)
-    md = (f"## bench/hook_overhead.py — {now:%Y-%m-%d %H:%M} UTC — {platform.processor() or platform.machine()}, "
-          f"{__import__('os').cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__} — "
-          f"commit {commit}\n\n"
-          f"- baseline called directly: {direct * 1e6:.3f} µs per call\n"
+    head, now = cpu_header("hook_overhead.py")
+    md = (head + f"- baseline called directly: {direct * 1e6:.3f} µs per call\n"
           f"- through ShadowSite, mode off: {off_t * 1e6:.3f} µs → off-mode overhead "
           f"{(off_t - direct) * 1e6:.3f} µs per call (goal < 2 µs)\n"
           f"- validate, unsampled step: {uns_t * 1e6:.3f} µs (overhead {(uns_t - direct) * 1e6:.3f} µs)\n"

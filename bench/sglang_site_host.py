@@ -16,10 +16,7 @@ Needs sglang installed (``scripts/install-sglang-cpu.sh``). Appends to ``bench/r
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.hook_overhead import per_call
+from bench.hook_overhead import cpu_header, per_call
 
 
 def main() -> int:
@@ -68,16 +65,8 @@ def main() -> int:
     assert whole() is None and cached() is None, "the bench's step must be one the site shadows"
     t_whole, t_cached = per_call(whole, n), per_call(cached, n)
     t_first, t_other = per_call(first_layer, n), per_call(other_layer, n)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
-    except OSError:
-        commit = "unknown"
-    now = datetime.datetime.now(datetime.UTC)
-    text = (f"## bench/sglang_site_host.py — {now:%Y-%m-%d %H:%M} UTC — {platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__} — "
-            f"commit {commit}\n\n"
-            f"The SGLang verify site's bookkeeping per layer call, (1, 4096, 8, 8), µs per call (best of 5):\n\n"
+    head, now = cpu_header("sglang_site_host.py")
+    text = (head + "The SGLang verify site's bookkeeping per layer call, (1, 4096, 8, 8), µs per call (best of 5):\n\n"
             f"- eligibility computed whole: {t_whole * 1e6:.2f}; as the site makes it (layer part cached): "
             f"{t_cached * 1e6:.2f} ({t_cached / t_whole:.2f}×)\n"
             f"- bucket of a step's first layer (made): {t_first * 1e6:.2f}; of its other layers (reused): "

@@ -153,12 +153,7 @@ def candidate(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     del v  # MLA: v is the first 512 columns of k (and of the cache rows)
     t = q.shape[0]
     fn = candidate_fn(q.is_cuda)
-    words = _flag_of(q.get_device()) if q.is_cuda else None
-    extra: dict[str, torch.Tensor] = {}
-    if words is not None:
-        for name, word in zip(_WORD_NAMES, words[1:], strict=True):
-            if _takes(fn, name):
-                extra[name] = word
+    extra = _words_for(fn, q.get_device()) if q.is_cuda else {}
     out = fn(q.view(t, call.heads, D_QK), k.view(t, -1, D_QK), kv_buffer, qo_indptr, kv_indptr, kv_indices,
              custom_mask, mask_indptr if custom_mask is not None else None, call.scaling, max_q_len=call.max_q_len,
              **extra)
@@ -178,6 +173,8 @@ def _takes(fn: Callable[..., Any], name: str) -> bool:
 _WORD_NAMES = ("error_flag", "nonfinite_flag")
 #: by CUDA device index: the int32 [2] words, and views of its two elements (made once: a view per call costs)
 _FLAGS: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+#: by (candidate function, CUDA device index): the keyword arguments of the words it takes (:func:`_words_for`)
+_EXTRA: dict[tuple[Callable[..., Any], int], dict[str, torch.Tensor]] = {}
 
 
 def error_flag(device: torch.device) -> torch.Tensor | None:
@@ -191,6 +188,19 @@ def error_flag(device: torch.device) -> torch.Tensor | None:
         return None
     words = _flag_of(device.index if device.index is not None else torch.cuda.current_device())
     return words[0] if words is not None else None
+
+
+def _words_for(fn: Callable[..., Any], index: int) -> dict[str, torch.Tensor]:
+    """The words ``fn`` takes, by keyword, on device ``index`` (one dict per function and device, made once: an eager
+    call pays a dict lookup; ``{}`` under capture before the words exist, not kept)."""
+    extra = _EXTRA.get((fn, index))
+    if extra is None:
+        words = _flag_of(index)
+        if words is None:
+            return {}
+        extra = _EXTRA[(fn, index)] = {name: word for name, word in zip(_WORD_NAMES, words[1:], strict=True)
+                                       if _takes(fn, name)}
+    return extra
 
 
 def _flag_of(index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
