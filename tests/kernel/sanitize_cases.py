@@ -27,6 +27,9 @@ def main() -> int:
     leaf_case = testing.make_case([40], [9], 3, seed=5, device="cuda", tree_kind="star")
     leaf_case.k_draft[8] = float("nan")
     cases.append((leaf_case, 2))
+    wide_leaf = testing.make_case([40], [9], 8, seed=6, device="cuda", tree_kind="star")  # > 32 rows: two-group kernel
+    wide_leaf.k_draft[8] = float("nan")
+    cases.append((wide_leaf, 2))
     for case, splits in cases:
         total, H = case.q.shape[0], case.q.shape[1]
         out = torch.empty(total, H, 512, dtype=torch.bfloat16, device="cuda")

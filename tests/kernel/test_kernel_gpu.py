@@ -134,6 +134,32 @@ def test_index_dtypes_and_uint8_mask():
     assert ok and flag == 0, info
 
 
+@pytest.mark.parametrize("heads", [8, 2], ids=["rows64", "rows16"])
+@pytest.mark.parametrize("vscale", ["huge", "tiny", "spread"])
+def test_split_partials_keep_range_and_precision(vscale, heads):
+    # A split call's O partials go through the workspace and the combine: V values far outside fp16's range (1e30,
+    # 1e-30) come back as the oracle's, and in a row whose columns span 2^12 in magnitude every column keeps its own
+    # precision: the split result is within 4 bf16 ulps, per column, of the unsplit one.  (fp16 partials scaled
+    # per row by a power of two passed this and were dropped as slower: bench/results/verify-2026-12-01.md.)
+    case = testing.make_case([6000], [8], heads, seed=5, device="cuda")
+    if vscale == "spread":
+        col = (2.0 ** torch.linspace(0.0, -12.0, 512, device="cuda")).to(torch.bfloat16)
+    else:
+        col = torch.full((512,), 1e30 if vscale == "huge" else 1e-30, device="cuda").to(torch.bfloat16)
+    case.kv_buffer[..., :512] *= col
+    case.k_draft[..., :512] *= col
+    ref, _ = _oracle(case)
+    out, _, flag = _run(case, num_splits=16)
+    assert flag == 0 and NONFINITE[0] == 0 and torch.isfinite(out).all()
+    ok, info = testing.pass_rule(out, ref, None)
+    assert ok, (vscale, info)
+    one, _, _ = _run(case, num_splits=1)
+    colmax = one.float().abs().amax(dim=(0, 1))
+    tol = torch.tensor([4 * testing.ulp_bf16(v) for v in colmax.tolist()], device="cuda")
+    err = (out.float() - one.float()).abs().amax(dim=(0, 1))
+    assert (err <= tol).all(), (vscale, (err / tol).max().item())
+
+
 def test_long_prefix_200k():
     case = testing.make_case([200_000], [16], 8, seed=5, device="cuda", logit_std=5.0)
     ref = oracle.attention(*case.args(), dtype=torch.float32, chunk=32768)
