@@ -45,6 +45,15 @@ def cpu_header(script: str) -> tuple[str, datetime.datetime]:
             f"commit {commit}\n\n"), now
 
 
+def append_results(subject: str, now: datetime.datetime, text: str) -> None:
+    """Append ``text`` to ``bench/results/<subject>-<date>.md`` (the date of ``now``) and say where."""
+    path = Path(__file__).parent / "results" / f"{subject}-{now:%Y-%m-%d}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(text)
+    print(f"appended to {path}")
+
+
 def per_call(fn, n: int) -> float:
     """Best-of-5 seconds per call of fn() over n calls."""
     best = float("inf")
@@ -100,11 +109,7 @@ def main() -> int:
           f"- full validate call, 16×64 bf16, statistics on the CPU: {full_t * 1e6:.1f} µs per call\n")
     print(md)
     if not args.no_write:
-        path = Path(__file__).parent / "results" / f"hook-{now:%Y-%m-%d}.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(md + "\n")
-        print(f"appended to {path}")
+        append_results("hook", now, md + "\n")
     return 0
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.hook_overhead import cpu_header, per_call
+from bench.hook_overhead import append_results, cpu_header, per_call
 
 
 def main() -> int:
@@ -73,10 +73,7 @@ def main() -> int:
             f"{t_other * 1e6:.2f} ({t_other / t_first:.2f}×)\n")
     print(text)
     if not args.no_write:
-        path = Path(__file__).parent / "results" / f"sglang-{now:%Y-%m-%d}.md"
-        with open(path, "a") as f:
-            f.write("\n" + text)
-        print(f"appended to {path}")
+        append_results("sglang", now, "\n" + text)
     return 0
 
 
