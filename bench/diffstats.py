@@ -7,7 +7,8 @@ Measures, with CUDA events (median of repeats):
   achieved bandwidth over the bytes of both outputs, as a fraction of the copy bandwidth (goal ≥ 70 %);
 * the same pass per call under a CUDA graph on small outputs (goal ≤ max(4 µs, 2·bytes / copy bw)):
   a graph holding CALLS_PER_GRAPH calls (as a serving graph holds one per layer), replayed back to back,
-  time / calls; the time of a one-call graph per replay (graph launch included) is printed beside it;
+  time / calls; the time of a one-call graph per replay (graph launch included) is printed beside it, and so
+  are two simpler kernels over the same bytes: a D2D copy of them and a bare read on the same grid;
 * a naive several-op torch diff pass on 256×64×512 for comparison;
 * hook overhead per call: off and validate (eager, host time) and validate and on under a graph (device
   time, graph of baseline+candidate alone vs the whole shadowed call); ``--overhead-only`` measures just these.
@@ -29,6 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 # shadowd is imported from ``--shadowd-from DIR`` (read before the imports) or else from this repo
 sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--shadowd-from") + 1]).resolve() if "--shadowd-from" in sys.argv
@@ -141,8 +144,6 @@ def main() -> int:
                                        text=True).stdout.strip() or "uncommitted"
     except OSError:
         res["commit"] = "unknown"
-    import triton
-
     res["triton"] = triton.__version__
     big = torch.empty(2**30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(big)
@@ -197,6 +198,7 @@ def stats_benchmarks(res: dict, args: argparse.Namespace, dev: torch.device, cop
         st.sstate[0] = 1
         nbytes = 2 * b.numel() * 2
         goal = max(4e-6, 2 * nbytes / copy_bw)
+        refs = same_size_references(c, b)
         per_tile = {}
         if b.numel() <= 2**23 and not args.latency_only:
             for tile in SMALL_VARIANTS:
@@ -218,12 +220,44 @@ def stats_benchmarks(res: dict, args: argparse.Namespace, dev: torch.device, cop
                                    "meets_goal": t <= goal, "one_call_graph_us": t1 * 1e6,
                                    "unsampled_us": t0 * 1e6, "regs": getattr(k, "n_regs", None),
                                    "spills": getattr(k, "n_spills", None),
-                                   "us_per_tile": per_tile, "us_per_launch_option": per_launch})
+                                   "us_per_tile": per_tile, "us_per_launch_option": per_launch, **refs})
     if args.latency_only:
         return
     b = torch.randn(256, 64, 512, device=dev, dtype=torch.bfloat16)
     c = b + (1e-2 * torch.randn(256, 64, 512, device=dev)).to(torch.bfloat16)
     res["naive_torch_us_256x64x512"] = cuda_time(lambda: raw_stats_torch(c, b)) * 1e6
+
+
+def same_size_references(c: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """What simpler kernels over the same bytes take per call of CALLS_PER_GRAPH in one graph: a device-to-device
+    copy of both outputs' bytes (the yardstick the goal's 2·bytes / copy bw term models, at this size) and a
+    read-only pass on the statistics kernel's tiles from 2^19 to 2^22 elements (one Σ(c − b) per program, nothing
+    reduced across programs: what that pass costs with nothing to compute; an untuned loop above)."""
+    src = torch.empty(2 * c.numel() * c.element_size(), dtype=torch.uint8, device=c.device)
+    dst = torch.empty_like(src)
+    out = torch.empty(READ_PROGRAMS, dtype=torch.float32, device=c.device)
+    n = c.numel()
+    copy_t = graph_time(lambda: [dst.copy_(src) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
+    read_t = graph_time(lambda: [_read_pass[(READ_PROGRAMS,)](c, b, out, n, BLOCK=4096, num_warps=4)
+                                 for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
+    return {"copy_same_bytes_us": copy_t * 1e6, "read_only_pass_us": read_t * 1e6}
+
+
+READ_PROGRAMS = 264  # two per SM of an H200, as the statistics kernel's (4096, 4, 2) tiles up to 2^22 elements
+
+
+@triton.jit
+def _read_pass(c_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # each program sums c − b over its grid-stride tiles and writes one float: the bytes are read once, with
+    # no cross-program reduction, no histogram, no record
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        acc += tl.load(c_ptr + offs, mask=m, other=0.0).to(tl.float32) - tl.load(b_ptr + offs, mask=m,
+                                                                                  other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
 def hook_overhead(res: dict, dev: torch.device) -> None:
@@ -311,6 +345,9 @@ def render(r: dict) -> str:
                      f"{'met' if g['meets_goal'] else 'NOT met'}); one-call graph {g['one_call_graph_us']:.2f} µs "
                      f"per replay; an unsampled call {g['unsampled_us']:.2f} µs ({g.get('regs')} registers, "
                      f"{g.get('spills')} spills)")
+        if "copy_same_bytes_us" in g:
+            lines.append(f"  - the same bytes per call of {CALLS_PER_GRAPH} in one graph: a D2D copy of them "
+                         f"{g['copy_same_bytes_us']:.2f} µs, a read-only pass {g['read_only_pass_us']:.2f} µs")
         if g.get("us_per_tile"):
             lines.append("  - per call by tile (elements, warps, programs per SM): "
                          + ", ".join(f"{k} {v:.2f} µs" for k, v in g["us_per_tile"].items()))

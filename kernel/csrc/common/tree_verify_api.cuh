@@ -48,27 +48,39 @@ extern "C" const char* mtv_error_string(int code) {
 }
 
 namespace mtv {
-// Launch the combine as a programmatic dependent of the forward kernel (sm_90+): its CTAs start while the
-// forward kernel's last CTAs finish (they trigger after their KV loop) and wait (griddepcontrol.wait)
-// before reading the partials.  Falls back to a plain launch where the attribute is refused.
-inline cudaError_t launch_dependent(void (*kernel)(const MtvArgs), dim3 grid, const MtvArgs& a, cudaStream_t st) {
+// Launch `kernel` as a programmatic dependent of the kernel before it on the stream (sm_90+): its CTAs may
+// start while that kernel's last CTAs finish, and wait (griddepcontrol.wait) before their first global read
+// or write.  The forward kernel waits at its very start, so any kernel may precede it; the combine waits before
+// reading the partials (the forward kernel triggers after its KV loop).  Falls back to a plain launch where
+// the attribute is refused.  MTV_NO_PDL: plain launches only; MTV_NO_FWD_PDL: the forward kernel's only.
+inline cudaError_t launch_pdl(void (*kernel)(const MtvArgs), dim3 grid, dim3 block, int smem, const MtvArgs& a,
+                              cudaStream_t st, bool pdl) {
 #ifndef MTV_NO_PDL
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();
+  if (pdl) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = (size_t)smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();
+  }
+#else
+  (void)pdl;
 #endif
-  kernel<<<grid, 128, 0, st>>>(a);
+  kernel<<<grid, block, (size_t)smem, st>>>(a);
   return cudaGetLastError();
 }
+#ifdef MTV_NO_FWD_PDL
+constexpr bool FWD_PDL = false;
+#else
+constexpr bool FWD_PDL = true;
+#endif
 }  // namespace mtv
 
 // Launch configuration depends only on (num_splits, max_q_len, heads, batch, total_tokens):
@@ -102,8 +114,7 @@ extern "C" int mtv_tree_verify(const MtvArgs* args, void* stream) {
   const bool quarter = (int64_t)a.max_q_len * a.heads <= mtv::QUARTER_MAX_ROWS, split = a.num_splits > 1;
   auto kernel = quarter ? (split ? mtv::mtv_fwd_kernel<4, 1> : mtv::mtv_fwd_kernel<4, 0>)
                         : (split ? mtv::mtv_fwd_kernel<2, 1> : mtv::mtv_fwd_kernel<2, 0>);
-  kernel<<<grid, mtv::NTHREADS, mtv::SMEM_BYTES, st>>>(a);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = mtv::launch_pdl(kernel, grid, dim3(mtv::NTHREADS), mtv::SMEM_BYTES, a, st, mtv::FWD_PDL);
   if (e != cudaSuccess) return e;
   if (a.num_splits > 1) {
     const int64_t rows = (int64_t)a.total_tokens * a.heads;
@@ -113,9 +124,9 @@ extern "C" int mtv_tree_verify(const MtvArgs* args, void* stream) {
                                      : slices == 2 ? mtv::mtv_combine_kernel<2>
                                      : slices == 4 ? mtv::mtv_combine_kernel<4>
                                                    : mtv::mtv_combine_kernel<8>;
-    // (launch_dependent reports its launch's error itself: reading cudaGetLastError again here would
+    // (launch_pdl reports its launch's error itself: reading cudaGetLastError again here would
     // find it already cleared)
-    e = mtv::launch_dependent(combine, dim3((unsigned)rows, (unsigned)slices), a, st);
+    e = mtv::launch_pdl(combine, dim3((unsigned)rows, (unsigned)slices), dim3(128), 0, a, st, true);
     if (e != cudaSuccess) return e;
   }
   return 0;
