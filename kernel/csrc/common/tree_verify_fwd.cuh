@@ -121,18 +121,16 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
   uint32_t* flag_sm = reinterpret_cast<uint32_t*>(mx_sm + 4 * BM);
   Req* rq_sm = reinterpret_cast<Req*>(flag_sm + 4);  // the request, re-read from smem inside the loop
 
+  // launched as a programmatic dependent (PDL): the previous kernel's writes are visible from here on, and
+  // nothing global is read or written before (a no-op under a plain launch).  Reading the request and the slot
+  // indices before it (which would bind callers to not writing them in the kernel just before) saved nothing
+  // (bench/results/verify-2026-12-01.md, session 17).  The timing build's CTA start is stamped after it.
+  griddep_wait();
   MTV_STAMP_CTA(0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x, mt = blockIdx.y, b = blockIdx.z;
   const int H = a.heads;
   const bool reporter = (split == 0 && mt == 0 && tid == 0);
-#ifndef MTV_PREWAIT_META
-  // launched as a programmatic dependent (PDL): the previous kernel's writes are visible from here on, and
-  // nothing global is read or written before (a no-op under a plain launch)
-  griddep_wait();
-#else
-  if (G == 4) griddep_wait();  // (experiment: G = 2 reads the request and the slot indices before the wait)
-#endif
   const Req rq = load_req(a, b, reporter);
   const int M = rq.T * H;
   if (mt == (int)gridDim.y - 1 && split == 0 && tid == 0 && M > (int)gridDim.y * BM)
@@ -179,9 +177,6 @@ __global__ void __launch_bounds__(NTHREADS, 1) mtv_fwd_kernel(const MtvArgs a) {
     rowptr_sm[tid] = row_ptr(a, rq, kbeg + tid, kend, s0);
     rowptr_sm[BN + tid] = row_ptr(a, rq, kbeg + BN + tid, kend, s1);
   }
-#ifdef MTV_PREWAIT_META
-  if (G == 2) griddep_wait();
-#endif
   // Q fragments, A-fragment layout of m16n8k16.  G = 2: qf[ks] = row tile smi, K half kq; G = 4: qf[mi * 9 + ks]
   // = row tile mi, K quarter kq.
   uint32_t qf[QK_HALF_STEPS][4];
