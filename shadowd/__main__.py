@@ -1,6 +1,8 @@
 """``python -m shadowd`` is the ``shadowd`` command."""
 
-from shadowd.cli import app
+import sys
+
+from shadowd.cli import main
 
 if __name__ == "__main__":  # the collector's writer process imports this module again under another name
-    app()
+    sys.exit(main())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +10,12 @@ import typer
 
 from shadowd import __version__
 
-__all__ = ["app"]
+__all__ = ["EXIT_USAGE", "app", "main"]
+
+#: a bad command line or configuration (an unknown option, a value of the wrong type, a database URL that cannot
+#: be used, a missing file), for every command: sysexits' EX_USAGE, so that it never reads as one of
+#: ``shadowd readiness``' verdict codes 0-4 (click's own usage status, 2, is INSUFFICIENT_DATA there)
+EXIT_USAGE = 64
 
 app = typer.Typer(help="shadowd: shadow-mode numerical diff service for GPU kernels.", no_args_is_help=True,
                   add_completion=False)
@@ -65,9 +69,6 @@ def serve(
     except SchemaOutdated as exc:
         typer.echo(f"shadowd: refusing to start: {exc}", err=True)
         raise typer.Exit(3) from None
-    if not settings.token:
-        typer.secho("WARNING: no token configured (SHADOWD_TOKEN): anyone who can reach this port can write "
-                    "samples and flip the kill switch.", fg="yellow", err=True)
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower())
 
 
@@ -104,9 +105,11 @@ def selftest(
 @app.command()
 def demo(
     fault: Annotated[str, typer.Option(help="plant a faulty candidate: none, nan, bias, drift or crash")] = "none",
-    duration: Annotated[float, typer.Option(help="longest workload time in seconds")] = 60.0,
-    layers: Annotated[int, typer.Option(help="layers of the simulated model")] = 8,
-    db: DbOption = None,
+    duration: Annotated[float, typer.Option(min=1.0, help="longest workload time in seconds (it stops earlier "
+                                                          "once the verdict is definitive)")] = 90.0,
+    layers: Annotated[int, typer.Option(min=1, help="layers of the simulated model")] = 8,
+    db: Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL of the demo's collector (default: a "
+                                                        "SQLite file in a new temporary directory)")] = None,
     port: Annotated[int | None, typer.Option(help="collector port (default: a free one)")] = None,
     keep_serving: Annotated[bool, typer.Option("--keep-serving", help="leave the collector running")] = False,
 ) -> None:
@@ -118,17 +121,38 @@ def demo(
 
     if fault not in FAULTS:
         typer.echo(f"--fault must be one of {', '.join(FAULTS)}, got {fault!r}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
     raise typer.Exit(run_demo(fault=fault, db_url=db, port=port, duration=duration, num_layers=layers,
                               keep_serving=keep_serving))
 
 
 @app.command()
-def replay(bundle: Annotated[Path, typer.Argument(help="a repro bundle directory", exists=True)]) -> None:
-    """Rerun baseline, candidate and oracle on a repro bundle's exact inputs and print the diffs."""
-    from shadowd.hook.replay import format_report, replay_bundle
+def replay(
+    bundle: Annotated[Path, typer.Argument(help="a repro bundle directory", exists=True)],
+    baseline: Annotated[str | None, typer.Option(help="module:function to rerun as the baseline (default: the "
+                                                      "bundle's refs)")] = None,
+    candidate: Annotated[str | None, typer.Option(help="module:function to rerun as the candidate")] = None,
+    oracle: Annotated[str | None, typer.Option(help="module:function to rerun as the oracle")] = None,
+) -> None:
+    """Rerun baseline, candidate and oracle on a repro bundle's exact inputs and print the diffs.
 
-    typer.echo(format_report(replay_bundle(bundle)))
+    Exit 0 when both baseline and candidate were rerun, 1 when either could not be (not named, not importable,
+    or it raised), 64 for a directory that is no bundle."""
+    from shadowd.hook.replay import format_report, replay_bundle, resolve
+
+    try:
+        base_fn, cand_fn, oracle_fn = resolve(baseline), resolve(candidate), resolve(oracle)
+    except (ImportError, AttributeError, ValueError) as exc:
+        typer.echo(f"shadowd replay: cannot import a --baseline / --candidate / --oracle: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    try:
+        result = replay_bundle(bundle, base_fn, cand_fn, oracle_fn)
+    except ValueError as exc:
+        typer.echo(f"shadowd replay: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    typer.echo(format_report(result))
+    failed = result["missing"] or {"baseline", "candidate"} & set(result["errors"])
+    raise typer.Exit(1 if failed else 0)
 
 
 @db_app.command("upgrade")
@@ -157,12 +181,64 @@ def db_current(db: DbOption = None) -> None:
 
     url = _db_url(db)
     try:
-        check_schema(make_engine(url), url)
+        revision = check_schema(make_engine(url), url)
     except SchemaOutdated as exc:
         typer.echo(str(exc))
         raise typer.Exit(1) from None
-    typer.echo("database schema is current")
+    typer.echo(f"database schema is current (revision {revision})")
 
 
-def main() -> None:  # pragma: no cover - console entry
-    sys.exit(app())
+def main(argv: list[str] | None = None) -> int:
+    """The ``shadowd`` console entry: the typer app, except that a bad command line exits EXIT_USAGE, and the
+    configuration errors users make (see :func:`_config_error`) print one line naming what to fix instead of a
+    traceback, and exit EXIT_USAGE too."""
+    # click's UsageError as typer raises it (typer vendors click in recent releases): found from the public
+    # BadParameter's bases, so that no private module is named
+    usage_error: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+    try:
+        rv = app(argv, standalone_mode=False)
+    except usage_error as exc:
+        exc.show()  # type: ignore[attr-defined]  # (no arguments at all: the help, as asked)
+        return exc.exit_code if type(exc).__name__ == "NoArgsIsHelpError" else EXIT_USAGE  # type: ignore[attr-defined]
+    except typer.Abort:
+        typer.echo("Aborted!", err=True)
+        return 1
+    except Exception as exc:
+        message = _config_error(exc)
+        if message is None:
+            raise
+        typer.echo(f"shadowd: {message}", err=True)
+        return EXIT_USAGE
+    return rv if isinstance(rv, int) else 0
+
+
+def _config_error(exc: BaseException) -> str | None:
+    """One line for an error that bad configuration causes (a settings value, a database URL or file, a
+    missing file, a migration revision, PostgreSQL without its driver); None for anything else (a bug: its
+    traceback stays). Classified by the exception's module, so the command line imports neither pydantic nor
+    SQLAlchemy nor Alembic to do it."""
+    kind = type(exc).__module__.split(".")[0]
+    if isinstance(exc, ModuleNotFoundError) and exc.name in ("psycopg", "psycopg2"):
+        return "a PostgreSQL URL needs its driver: pip install 'shadowd[postgres]'"
+    if isinstance(exc, FileNotFoundError):
+        return f"no such file: {exc.filename or exc}"
+    if kind in ("pydantic", "pydantic_core") and hasattr(exc, "errors"):
+        parts = []
+        for err in exc.errors():
+            field = ".".join(str(x) for x in err.get("loc", ())) or "value"
+            parts.append(f"{_SETTING_NAMES.get(field, field)}: {err.get('msg', '')}")
+        return "invalid setting: " + "; ".join(parts)
+    if kind == "sqlalchemy":
+        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        hint = " (does its directory exist?)" if "unable to open database file" in detail else ""
+        return f"cannot use the database: {detail}{hint} — check --db / SHADOWD_DB_URL"
+    if kind == "alembic":
+        return f"migrations: {str(exc).splitlines()[0]}"
+    if type(exc).__name__ == "PolicyError":  # shadowd.judge.policy: names the file and the knob
+        return str(exc)
+    return None
+
+
+#: the settings' field names as a user sets them
+_SETTING_NAMES = {"db_url": "--db / SHADOWD_DB_URL", "port": "--port / SHADOWD_PORT", "host": "--host / SHADOWD_HOST",
+                  "token": "--token / SHADOWD_TOKEN", "policy_file": "--policy / SHADOWD_POLICY_FILE"}

@@ -3,7 +3,8 @@
 It starts the collector (``shadowd serve``, SQLite, a subprocess) with the shipped demo policy,
 registers a run, pushes a simulated MLA tree-verify workload (several layers, a mix of batch
 sizes, tree sizes and prefix lengths) through the real hook (:class:`ShadowSite` in validate
-mode) and the real streamer, then prints the readiness verdict and where to look.
+mode) and the real streamer until the collector's verdict is definitive (at most ``duration``
+seconds), then prints the readiness verdict and where to look.
 ``fault`` plants a faulty candidate: ``nan``, ``bias``, ``drift`` or ``crash``.
 Exit status 0 only when the verdict is READY.
 """
@@ -13,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,14 @@ from shadowd.hook.simulate import FAULTS, baseline_attention, candidate_attentio
 from shadowd.hook.site import Bucket, ShadowSite
 from shadowd.hook.streamer import Streamer
 
-__all__ = ["DEMO_POLICY", "run_demo"]
+__all__ = ["DEMO_POLICY", "DRIFT_RAMP_S", "run_demo"]
 
 DEMO_POLICY = Path(__file__).parent / "policies" / "demo.toml"
+#: seconds over which the ``drift`` fault grows to its full size (the workload itself may run longer: it runs
+#: until the verdict is definitive, at most ``duration``)
+DRIFT_RAMP_S = 60.0
+#: a ``duration`` below this rarely reaches a verdict (the demo policy's 20 s span plus start-up): said so
+SHORT_DURATION_S = 30.0
 #: the shape mix: (batch size, tree sizes drawn from, prefix lengths drawn from); cycled so that every
 #: shape bucket gathers samples at the same pace (EAGLE-like small trees, DDTree-like larger ones)
 _PROFILES = (
@@ -84,24 +93,29 @@ def _workload_step(rng: random.Random, heads: int, step: int, seed: int) -> tupl
                         new_requests=bs if rng.random() < 0.5 else 0)
 
 
-def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = None, duration: float = 60.0,
+def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = None, duration: float = 90.0,
              num_layers: int = 8, heads: int = 8, keep_serving: bool = False, seed: int = 0) -> int:
     """Run the demo (see the module docstring); returns the process exit status.
 
     ``db_url``: the collector's database (default a SQLite file in a temporary directory);
-    ``port``: the collector's port (default a free one); ``duration``: seconds of workload;
+    ``port``: the collector's port (default a free one); ``duration``: the longest workload time in seconds
+    (the workload stops as soon as the collector's verdict is definitive, so a slower or busier machine gets
+    more traffic before it is judged; the drift fault ramps up over at most DRIFT_RAMP_S of it);
     ``keep_serving``: leave the collector running after the verdict until Ctrl-C.
     """
     if fault not in FAULTS:
         print(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}", file=sys.stderr)
         return 2
+    if duration < SHORT_DURATION_S:
+        print(f"note: the demo policy needs samples spanning {SHORT_DURATION_S - 10:.0f} s from about 50 requests: "
+              f"--duration {duration:g} is likely too short to reach a verdict")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     work = Path(tempfile.mkdtemp(prefix="shadowd-demo-"))
     db_url = db_url or f"sqlite:///{work / 'shadowd.db'}"
     port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
-    print(f"shadowd demo: fault={fault}, {num_layers} layers, {heads} heads, {duration:.0f}s of simulated verify "
-          "traffic on the CPU")
+    print(f"shadowd demo: fault={fault}, {num_layers} layers, {heads} heads, simulated verify traffic on the CPU "
+          f"until the verdict is definitive (at most {duration:.0f}s)")
     if DEMO_POLICY.exists():
         print(f"  judging with the DEMO policy {DEMO_POLICY} (looser confidence and targets so that two "
               "minutes suffice; production runs use the default policy)")
@@ -111,6 +125,7 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
     proc = _start_collector(db_url, port, work / "collector.log")
     client = CollectorClient(url, timeout=10.0)
     streamer: Streamer | None = None
+    restore = _stop_on_sigterm()  # a SIGTERM runs the cleanup below too: the collector never outlives the demo
     try:
         if not _wait_up(client, proc):
             print("the collector did not start; see " + str(work / "collector.log"), file=sys.stderr)
@@ -127,7 +142,7 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
             "labels": {"demo": "1", "fault": fault}, "started_at": time.time()}, client=client)
         run_id = int(rt.run_id or 0)
         set_runtime(rt)
-        cand = faulty(candidate_attention, fault, duration_s=duration)
+        cand = faulty(candidate_attention, fault, duration_s=min(duration, DRIFT_RAMP_S))
         site = ShadowSite("mla_tree_verify", baseline_attention, cand, oracle=oracle_attention, runtime=rt)
         rng = random.Random(seed)
         t0 = last = checked = time.monotonic()
@@ -152,25 +167,50 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
         print(f"  workload done: {steps} verify steps × {num_layers} layers, {streamer.sent} samples stored, "
               f"{streamer.dropped} dropped, {streamer.rejected} rejected")
         code = _verdict(client, run_id, fault, url)
+        if code and fault == "none" and steps:
+            print(f"\n(not enough evidence after {time.monotonic() - t0:.0f}s of traffic, {steps} verify steps, on "
+                  f"this machine: rerun with a longer --duration, e.g. --duration {2 * duration:.0f}, or on a less "
+                  "busy machine)")
         if not keep_serving:
+            policy = f" --policy {DEMO_POLICY}" if DEMO_POLICY.exists() else ""
             print(f"\n(the collector stops now; rerun with --keep-serving to browse these pages, or serve the "
-                  f"database again: shadowd serve --db {db_url})")
+                  f"database again with the demo policy: shadowd serve --db {db_url}{policy})")
         return code
     finally:
-        if streamer is not None:
-            streamer.close(2.0)
-        set_runtime(None)
-        if keep_serving and proc.poll() is None:
-            print(f"collector still serving at {url} — Ctrl-C to stop")
-            with contextlib.suppress(KeyboardInterrupt):
-                proc.wait()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        client.close()
+        try:
+            if streamer is not None:
+                streamer.close(2.0)
+            set_runtime(None)
+            if keep_serving and proc.poll() is None:
+                print(f"collector still serving at {url} — Ctrl-C (or SIGTERM) to stop")
+                with contextlib.suppress(KeyboardInterrupt, SystemExit):
+                    proc.wait()
+        finally:  # whatever happened above, the collector this demo started stops with it
+            restore()
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            client.close()
+
+
+def _stop_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM end the demo like Ctrl-C does (its ``finally`` stops the collector it started); returns
+    the function that restores the previous handler. Only the main thread can install one (else a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
 
 
 def _definitive(client: CollectorClient, run_id: int) -> bool:

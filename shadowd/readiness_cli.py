@@ -5,8 +5,10 @@ Exit codes:
 - 0  READY
 - 1  NOT_READY
 - 2  INSUFFICIENT_DATA
-- 3  the collector is unreachable (connection refused, timeout, or an HTTP answer without a verdict)
-- 4  the request was refused (unknown run, missing or wrong token)
+- 3  the collector is unreachable (connection refused, timeout, or an HTTP answer without a verdict: also a 404
+     that is not the collector's own, e.g. from another service at that URL)
+- 4  the request was refused by the collector (unknown run, missing or wrong token)
+- 64 a bad command line (``shadowd.cli.EXIT_USAGE``, through the ``shadowd`` command)
 
 ``--wait SECONDS`` polls until READY or until the time is up, and exits with the last answer's code.
 """
@@ -52,10 +54,13 @@ def fetch_readiness(client: httpx.Client, run_id: int | None) -> tuple[int, dict
         body = None
     if resp.status_code in (200, 503) and isinstance(body, dict) and body.get("verdict") in EXIT_CODES:
         return EXIT_CODES[body["verdict"]], body
-    if resp.status_code in (401, 403, 404, 422):
-        detail = body.get("detail", body) if isinstance(body, dict) else resp.text[:300]
-        return EXIT_REFUSED, {"error": f"HTTP {resp.status_code}: {detail}"}
-    return EXIT_UNREACHABLE, {"error": f"HTTP {resp.status_code} without a verdict: {resp.text[:300]}"}
+    # refused by a collector: its errors are JSON with a ``detail``; the same status from anything else (a proxy,
+    # another service at that URL) is an answer without a verdict
+    if resp.status_code in (401, 403, 404, 422) and isinstance(body, dict) and "detail" in body:
+        return EXIT_REFUSED, {"error": f"HTTP {resp.status_code}: {body['detail']}"}
+    text = resp.text[:300].strip() or "(empty body)"
+    return EXIT_UNREACHABLE, {"error": f"HTTP {resp.status_code} without a verdict (is {resp.url} a shadowd "
+                                       f"collector?): {text}"}
 
 
 def format_report(body: dict[str, Any]) -> str:

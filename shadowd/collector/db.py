@@ -65,8 +65,8 @@ def downgrade(url: str, revision: str) -> None:
     command.downgrade(alembic_config(url), revision)
 
 
-def check_schema(engine: Engine, url: str) -> None:
-    """Raise SchemaOutdated unless the database is at the migrations' head."""
+def check_schema(engine: Engine, url: str) -> str:
+    """The database's revision, which is the migrations' head; else raise SchemaOutdated."""
     head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
     with engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()
@@ -77,3 +77,4 @@ def check_schema(engine: Engine, url: str) -> None:
             f"the database {state}, the code needs {head}: run `shadowd db upgrade --db {shown}` "
             "(or start with `shadowd serve --upgrade`)"
         )
+    return str(current)

@@ -109,8 +109,8 @@ class Evaluator:
     def layers(self, run_id: int, now: float | None = None) -> dict[str, Any]:
         """The per-layer readiness table of a run, from its rollups."""
         snap = queries.load_rollups(self.engine, run_id, now=now, recent_s=self.policy.drift_window_s)
-        return {"run_id": run_id, "num_layers": snap.run["num_layers"], "policy_hash": self.policy.hash(),
-                "layers": layer_table(snap, self.policy)}
+        return {"run_id": run_id, "num_layers": snap.run["num_layers"], "policy_hash": self.policy.identity(),
+                "tolerance_hash": self.policy.hash(), "layers": layer_table(snap, self.policy)}
 
     async def run_forever(self) -> None:
         """The cadence: one pass every ``interval_s`` seconds until cancelled."""

@@ -8,7 +8,8 @@ unless given, reruns each on the exact saved inputs, and returns a dict with
 * ``reproducible``: max |rerun - saved| per side over finite positions (0 when the kernels are
   deterministic; NaN when the non-finite positions differ);
 * ``oracle``: max |candidate - oracle| and max |baseline - oracle| when an oracle is available;
-* ``errors``: what raised while rerunning.
+* ``errors``: what raised while rerunning, or could not be imported;
+* ``missing``: the callables neither the bundle's ``refs`` nor the caller named (nothing to rerun).
 
 :func:`format_report` renders it for a terminal (what ``shadowd replay BUNDLE`` prints).
 """
@@ -45,6 +46,8 @@ def load_bundle(path: str | Path, device: str | None = None
                 ) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """(args, kwargs, outputs, meta) of a bundle; tensors on ``device`` (default: where they can run)."""
     p = Path(path)
+    if not (p / "meta.json").is_file() or not (p / "tensors.safetensors").is_file():
+        raise ValueError(f"{p}: not a repro bundle (it needs meta.json and tensors.safetensors)")
     meta = json.loads((p / "meta.json").read_text())
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tensors = {k: v.to(dev) for k, v in load_file(str(p / "tensors.safetensors")).items()}
@@ -73,12 +76,18 @@ def replay_bundle(path: str | Path, baseline: Callable[..., Any] | None = None,
                   device: str | None = None) -> dict[str, Any]:
     """Rerun the bundle at ``path``; see the module docstring for the result."""
     args, kwargs, outs, meta = load_bundle(path, device)
-    refs = meta.get("refs", {})
-    fns = {"baseline": baseline or resolve(refs.get("baseline")),
-           "candidate": candidate or resolve(refs.get("candidate")),
-           "oracle": oracle or resolve(refs.get("oracle"))}
-    rerun: dict[str, torch.Tensor | None] = {}
+    refs = meta.get("refs") or {}
+    given = {"baseline": baseline, "candidate": candidate, "oracle": oracle}
+    fns: dict[str, Callable[..., Any] | None] = {}
     errors: dict[str, str] = {}
+    for name, fn in given.items():
+        try:
+            fns[name] = fn or resolve(refs.get(name))
+        except (ImportError, AttributeError) as e:  # a ref this environment cannot import
+            fns[name] = None
+            errors[name] = f"cannot import {refs.get(name)!r}: {type(e).__name__}: {e}"
+    missing = [name for name in ("baseline", "candidate") if fns[name] is None and name not in errors]
+    rerun: dict[str, torch.Tensor | None] = {}
     for name, fn in fns.items():
         rerun[name] = None
         if fn is None:
@@ -90,7 +99,7 @@ def replay_bundle(path: str | Path, baseline: Callable[..., Any] | None = None,
             errors[name] = f"{type(e).__name__}: {e}"
     result: dict[str, Any] = {
         "bundle": str(path), "site": meta.get("site"), "reason": meta.get("reason"),
-        "sample": meta.get("sample"), "errors": errors,
+        "sample": meta.get("sample"), "errors": errors, "missing": missing,
         "saved": _stats(outs.get("candidate"), outs.get("baseline")),
         "rerun": _stats(rerun["candidate"], rerun["baseline"]),
         "reproducible": {}, "oracle": {},
@@ -120,8 +129,13 @@ def format_report(result: dict[str, Any]) -> str:
                          f"rel_l2 {s['rel_l2']:.3e}, cos_diff {s['cos_diff']:.3e}, "
                          f"candidate-only non-finite {s['cand_nonfinite']}, "
                          f"baseline-only non-finite {s['base_nonfinite']}")
+        elif key == "rerun" and result.get("missing"):
+            lines.append(f"  rerun  candidate vs baseline: not run: no {' and no '.join(result['missing'])} to call "
+                         "(the bundle's meta.json names none: save bundles from a ShadowSite(refs={'baseline': "
+                         "'module:function', ...}), or pass --baseline / --candidate module:function)")
         else:
-            lines.append(f"  {key:6s} candidate vs baseline: not comparable")
+            lines.append(f"  {key:6s} candidate vs baseline: not comparable (an output is missing or the shapes "
+                         "differ)")
     for side, v in result.get("reproducible", {}).items():
         lines.append(f"  rerun {side} vs saved: max_abs {v:.3e}")
     for k, v in result.get("oracle", {}).items():

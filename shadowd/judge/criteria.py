@@ -270,7 +270,13 @@ def time_span(r: RunRollups, p: Policy) -> Criterion:
     span = float(last - first) if first is not None and last is not None else 0.0
     ok = span >= p.min_span_s
     return Criterion("time_span", PASS if ok else INSUFFICIENT, span, p.min_span_s,
-                     f"samples span {span:.0f} s (need {p.min_span_s:.0f} s)")
+                     f"samples span {_seconds(span, p.min_span_s)} s (need {p.min_span_s:g} s)")
+
+
+def _seconds(value: float, bound: float) -> str:
+    # whole seconds, unless rounding would show a shortfall as reaching the bound ("20 s (need 20 s)")
+    text = f"{value:.0f}"
+    return f"{math.floor(value * 10) / 10:.1f}" if value < bound and float(text) >= bound else text
 
 
 def coverage(r: RunRollups, p: Policy) -> Criterion:

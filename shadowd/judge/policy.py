@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["DTYPE_DEFAULTS", "ENV_PREFIX", "Policy", "load_policy", "policy_from_env"]
+__all__ = ["DTYPE_DEFAULTS", "ENV_PREFIX", "Policy", "PolicyError", "load_policy", "policy_from_env"]
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 
@@ -82,10 +82,18 @@ class Policy(BaseModel):
         return out
 
     def hash(self) -> str:
-        """Stable identity of the tolerances that decide per-call exceedance."""
+        """Stable identity of the tolerances that decide per-call exceedance (the key of the stored
+        per-call ``exceeded`` flags: other knobs do not change them)."""
         keys = ("dtype", "rel_l2_max", "cos_diff_max", "scaled_max_abs_max", "oracle_k")
         eff = self.effective()
         blob = json.dumps({k: eff[k] for k in keys}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def identity(self) -> str:
+        """Stable identity of the whole policy, every knob: what hysteresis compares, so that passing
+        evaluations made under another policy (a looser confidence, another target, a shorter span) never
+        count toward READY under this one."""
+        blob = json.dumps(self.effective(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def exceeds(self, cols: dict[str, np.ndarray]) -> np.ndarray:
@@ -144,7 +152,21 @@ def load_policy(path: Path | str | None, environ: Mapping[str, str] | None = Non
     data: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
-        data = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
+        try:
+            data = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise PolicyError(f"policy file {path}: not valid {'TOML' if Path(path).suffix == '.toml' else 'JSON'}: "
+                              f"{exc}") from None
         data.pop("description", None)
     data.update(policy_from_env(environ))
-    return Policy.model_validate(data)
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        where = f"policy file {path}" + (" or SHADOWD_POLICY_*" if policy_from_env(environ) else "") if path else \
+            "SHADOWD_POLICY_* environment"
+        knobs = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise PolicyError(f"{where}: {knobs}") from None
+
+
+class PolicyError(ValueError):
+    """A policy file or ``SHADOWD_POLICY_*`` value that cannot be used; the message names the file and knob."""

@@ -37,7 +37,7 @@ def judge(r: RunRollups, policy: Policy) -> dict[str, Any]:
     crits = evaluate_criteria(r, policy)
     raw = combine(crits)
     fingerprint = str(r.run.get("candidate_fingerprint", ""))
-    policy_hash = policy.hash()
+    policy_hash = policy.identity()  # every knob: a streak earned under another policy does not count
     hyst, state = hysteresis(raw, r.history, fingerprint, policy_hash, r.now, policy)
     crits.append(hyst)
     verdict = combine(crits)
@@ -53,6 +53,7 @@ def judge(r: RunRollups, policy: Policy) -> dict[str, Any]:
         "run_id": r.run.get("id"),
         "candidate_fingerprint": fingerprint,
         "policy_hash": policy_hash,
+        "tolerance_hash": policy.hash(),
         "policy": policy.effective(),
         "reasons": reasons,
         "failing_layers": sorted({lay for x in failing for lay in x.layers}),

@@ -3,9 +3,13 @@ right reason for each planted fault (real collector process, real hook, real str
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
 pytest.importorskip("torch")
@@ -43,4 +47,34 @@ def test_demo_planted_fault_is_not_ready_with_its_reason(fault):
 
 def test_demo_rejects_an_unknown_fault():
     done = _demo("--fault", "gremlins")
-    assert done.returncode == 2 and "--fault must be one of" in done.stderr
+    assert done.returncode == 64 and "--fault must be one of" in done.stderr
+
+
+def test_sigterm_stops_the_demo_and_its_collector():
+    # (a planted fault: its verdict is not waited for, so the collector is serving within seconds)
+    proc = subprocess.Popen([sys.executable, "-m", "shadowd", "demo", "--fault", "nan", "--duration", "2",
+                             "--keep-serving"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:  # up to "collector still serving at URL"
+            m = re.search(r"collector still serving at (http://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url is not None and httpx.get(url + "/healthz").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url + "/healthz", timeout=1.0)
+            except httpx.TransportError:
+                break  # nobody answers any more: the collector stopped with the demo
+            time.sleep(0.3)
+        else:
+            pytest.fail("the collector outlived the demo")
+    finally:
+        if proc.poll() is None:
+            proc.kill()

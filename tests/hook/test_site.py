@@ -322,6 +322,26 @@ def test_bundle_saved_bounded_and_replayed(tmp_path: Path) -> None:
     assert "candidate-only non-finite 1" in format_report(res)
 
 
+def test_replay_of_a_bundle_without_refs_says_what_it_needs(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from shadowd.cli import main
+
+    rt, _sink = make_runtime("validate", bundle_dir=tmp_path / "b", bundle_max=1)
+    site = ShadowSite("toy", base_fn, nan_cand, runtime=rt)  # no refs: the bundle cannot name its callables
+    x, w = inputs()
+    site(x, w, layer=0)
+    (bundle,) = (tmp_path / "b").iterdir()
+    assert main(["replay", str(bundle)]) == 1
+    out = capsys.readouterr().out
+    assert "not run: no baseline and no candidate to call" in out and "--baseline / --candidate" in out
+    assert main(["replay", str(bundle), "--baseline", "tests.hook.conftest:base_fn",
+                 "--candidate", "tests.hook.test_site:nan_cand"]) == 0
+    assert "rerun  candidate vs baseline: max_abs" in capsys.readouterr().out
+    assert main(["replay", str(bundle), "--candidate", "no_such_module:f"]) == 64
+    assert main(["replay", str(tmp_path)]) == 64
+    assert "not a repro bundle" in capsys.readouterr().err
+
+
 def test_a_fault_of_the_hook_itself_serves_the_baseline_and_is_reported() -> None:
     """What the hook's own code raises after the baseline (here: copying the candidate's inputs) never reaches
     the caller: the baseline's result is returned, the candidate disabled with the reason, and one sample says

@@ -177,6 +177,8 @@ def test_requests_and_span_both_sides() -> None:
     assert statuses(judge(rollups(span=60.0), SMALL))["time_span"] == "pass"
     rep = judge(rollups(span=59.0), SMALL)
     assert statuses(rep)["time_span"] == "insufficient" and rep["verdict"] == INSUFFICIENT_DATA
+    # a shortfall is never rounded up to the bound it misses
+    assert "samples span 59.9 s (need 60 s)" in criterion(judge(rollups(span=59.97), SMALL), "time_span")["detail"]
 
 
 def test_empty_layer_is_insufficient_and_named() -> None:
@@ -223,7 +225,7 @@ HYST = SMALL.model_copy(update={"hysteresis_k": 3, "hysteresis_minutes": 1.0})
 
 
 def _ev(at: float, passing: bool = True, fp: str = "fp-1", policy: Policy = HYST) -> dict:
-    return {"at": at, "passing": passing, "candidate_fingerprint": fp, "policy_hash": policy.hash(),
+    return {"at": at, "passing": passing, "candidate_fingerprint": fp, "policy_hash": policy.identity(),
             "verdict": INSUFFICIENT_DATA}
 
 
@@ -251,6 +253,19 @@ def test_stored_streak_is_continued() -> None:
     prev = {**_ev(now - 15), "hysteresis": {"streak": 5, "since": now - 600}}
     rep = judge(rollups(policy=HYST, now=now, history=[prev]), HYST)
     assert rep["verdict"] == READY and rep["hysteresis"]["streak"] == 6
+
+
+def test_streak_earned_under_another_policy_does_not_count() -> None:
+    # the same tolerances (so the same per-call exceedance flags) but a looser confidence: its passing
+    # evaluations are no evidence for READY under the stricter policy
+    now = T0 + 1000
+    looser = HYST.model_copy(update={"confidence": HYST.confidence - 0.05})
+    assert looser.hash() == HYST.hash() and looser.identity() != HYST.identity()
+    history = [_ev(now - 60, policy=looser), _ev(now - 30, policy=looser)]
+    rep = judge(rollups(policy=HYST, now=now, history=history), HYST)
+    assert rep["verdict"] == INSUFFICIENT_DATA and rep["hysteresis"]["streak"] == 1
+    assert rep["policy_hash"] == HYST.identity() and rep["tolerance_hash"] == HYST.hash()
+    assert judge(rollups(policy=HYST, now=now, history=[_ev(now - 60), _ev(now - 30)]), HYST)["verdict"] == READY
 
 
 def test_failing_evaluation_resets_streak() -> None:

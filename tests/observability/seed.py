@@ -112,7 +112,7 @@ def store_evaluation(app: FastAPI, run_id: int, report: dict[str, Any] | None = 
                 at=time.time(),
                 verdict=report["verdict"],
                 passing=0,
-                policy_hash=state.policy.hash(),
+                policy_hash=state.policy.identity(),
                 report=json.dumps(report),
             )
         )
