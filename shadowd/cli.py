@@ -38,6 +38,20 @@ def version() -> None:
     typer.echo(__version__)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="print the version and exit")] = False,
+) -> None:
+    """shadowd: shadow-mode numerical diff service for GPU kernels."""
+
+
 @app.command()
 def serve(
     db: DbOption = None,
@@ -156,7 +170,8 @@ def replay(
 
 
 @db_app.command("upgrade")
-def db_upgrade(db: DbOption = None, revision: str = "head") -> None:
+def db_upgrade(db: DbOption = None,
+               revision: Annotated[str, typer.Option(help="target revision (default: the latest)")] = "head") -> None:
     """Apply migrations (creates the schema on an empty database)."""
     from shadowd.collector.db import upgrade
 

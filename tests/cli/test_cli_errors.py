@@ -69,3 +69,10 @@ def test_readiness_tells_a_refusal_from_a_foreign_404() -> None:
     assert "without a verdict" in out[-1] and "shadowd collector?" in out[-1]
     assert readiness_command("http://x", 9, client=answer(404), echo=out.append) == EXIT_UNREACHABLE
     assert "(empty body)" in out[-1]
+
+
+def test_version_flag_and_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from shadowd import __version__
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == __version__
+    assert main(["version"]) == 0 and capsys.readouterr().out.strip() == __version__
