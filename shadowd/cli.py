@@ -195,12 +195,26 @@ def db_current(db: DbOption = None) -> None:
     from shadowd.collector.db import SchemaOutdated, check_schema, make_engine
 
     url = _db_url(db)
+    missing = _missing_sqlite_file(url)
+    if missing is not None:  # (connecting would create an empty file there)
+        typer.echo(f"no database file at {missing}: run `shadowd db upgrade --db {url}` to create it")
+        raise typer.Exit(1)
     try:
         revision = check_schema(make_engine(url), url)
     except SchemaOutdated as exc:
         typer.echo(str(exc))
         raise typer.Exit(1) from None
     typer.echo(f"database schema is current (revision {revision})")
+
+
+def _missing_sqlite_file(url: str) -> str | None:
+    """The path of a SQLite URL's file when it does not exist (None for other URLs, in-memory ones, or a file)."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:") or Path(u.database).exists():
+        return None
+    return u.database
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,8 +161,10 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
             steps += 1
             if time.monotonic() - last > 5:
                 last = time.monotonic()
+                state = ("DISABLED" if rt.disabled else f"failing ({rt.candidate_failures} calls)"
+                         if rt.candidate_failures else "ok")
                 print(f"  [{last - t0:5.1f}s] {steps} steps, {rt.emitted} samples, {streamer.sent} stored, "
-                      f"spool {streamer.spool.depth()}, candidate {'DISABLED' if rt.disabled else 'ok'}", flush=True)
+                      f"spool {streamer.spool.depth()}, candidate {state}", flush=True)
         streamer.flush(30.0)
         print(f"  workload done: {steps} verify steps × {num_layers} layers, {streamer.sent} samples stored, "
               f"{streamer.dropped} dropped, {streamer.rejected} rejected")

@@ -221,6 +221,8 @@ class DeviceState:
             self.captures.arm(int(rec[10]))  # the next sampled eager call there is snapshotted
         # the candidate's kernels raised their error word (sticky): a candidate error, the candidate disabled
         error = site.flag_error(kflag) if kflag else None
+        if error is not None or stats["cand_nonfinite"] > 0:
+            rt.candidate_failures += 1
         if stats["cand_nonfinite"] > 0:
             site.consecutive_errors += 1
             if site.consecutive_errors >= rt.config.disable_after:

@@ -48,6 +48,9 @@ class HookRuntime:
         self.step = 0
         self.calls = 0
         self.emitted = 0
+        # compared calls whose candidate raised, raised its error word or wrote a NaN / Inf (eager calls as they
+        # run; CUDA-graph calls as their records are drained)
+        self.candidate_failures = 0
         self.sink_errors = 0
         self.run_id: int | None = None
         self.streamer: Any = None

@@ -325,6 +325,7 @@ class ShadowSite:
             stats = empty_stats(out_b.numel() if valid_numel is None else valid_numel)
         hard = err or hard_failure(stats, rt.config.hard_scaled_max_abs, rt.config.hard_rel_l2)
         if err is not None or stats["cand_nonfinite"] > 0:
+            rt.candidate_failures += 1
             self.consecutive_errors += 1
             if self.consecutive_errors >= rt.config.disable_after:
                 rt.disable(f"{self.consecutive_errors} consecutive candidate errors ({err or 'nonfinite'})")

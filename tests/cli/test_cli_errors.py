@@ -76,3 +76,13 @@ def test_version_flag_and_command(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == __version__
     assert main(["version"]) == 0 and capsys.readouterr().out.strip() == __version__
+
+
+def test_db_current_names_the_revision_and_creates_no_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "x.db"
+    assert main(["db", "current", "--db", f"sqlite:///{path}"]) == 1
+    assert f"no database file at {path}" in capsys.readouterr().out and not path.exists()
+    assert main(["db", "upgrade", "--db", f"sqlite:///{path}"]) == 0
+    capsys.readouterr()
+    assert main(["db", "current", "--db", f"sqlite:///{path}"]) == 0
+    assert "database schema is current (revision " in capsys.readouterr().out

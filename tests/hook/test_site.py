@@ -78,6 +78,8 @@ def test_validate_nan_never_reaches_the_caller() -> None:
     out = site(x, w, layer=0)
     assert torch.isfinite(out.float()).all()
     assert sink[0]["cand_nonfinite"] == 1 and sink[0]["nan_cand"] == 1 and math.isnan(sink[0]["rel_l2"])
+    assert rt.candidate_failures == 1 and not rt.disabled  # counted (the demo's progress line shows it)
+    assert ShadowSite("s", base_fn, cand_fn, runtime=rt)(x, w, layer=0) is not None and rt.candidate_failures == 1
 
 
 def test_candidate_cannot_modify_inputs() -> None:
