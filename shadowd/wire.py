@@ -42,6 +42,8 @@ import msgpack
 
 __all__ = [
     "COLUMNS",
+    "COUNTER_MAX",
+    "COUNT_MAX",
     "HIST_BINS",
     "HIST_EXP_MAX",
     "HIST_EXP_MIN",
@@ -50,6 +52,7 @@ __all__ = [
     "PRODUCER_NOTE_MAX",
     "PRODUCER_STATS",
     "SPEC_MODES",
+    "TS_MAX",
     "Column",
     "decode_msgpack",
     "encode_msgpack",
@@ -80,7 +83,8 @@ class Column:
     columns may hold ``None`` (a float column stores it as NaN); ``nan_ok`` float columns
     may carry NaN/Inf (an error statistic over a non-finite output is NaN, and the judge
     treats that as a failure, so it must reach the collector intact); ``minimum`` is the
-    smallest allowed value of a number, ``maximum`` the largest (32-bit integer columns).
+    smallest allowed value of a number, ``maximum`` the largest (``I32``, ``COUNT_MAX``, ``COUNTER_MAX``,
+    ``TS_MAX``: bounds that keep the collector's rollups exact).
     """
 
     name: str
@@ -94,30 +98,38 @@ class Column:
 
 
 I32 = 2**31 - 1  # the largest value of a 32-bit integer column
+#: bounds that keep every sum and time bucket of the collector's rollups exact and in range: counts of
+#: elements (2^48, far above any output), step and call counters (2^53: exact as float64) and unix times
+#: in seconds before 2100 (a time in milliseconds, ~1.7e12, is refused rather than stored in year 55000)
+COUNT_MAX = 2**48
+COUNTER_MAX = 2**53
+TS_MAX = 4_102_444_800.0
 
 COLUMNS: tuple[Column, ...] = (
     Column("layer", "int", "layer id (0-based); must be below the run's num_layers", maximum=I32),
     Column("rank", "int", "tensor-parallel rank; must be below the run's tp_size", maximum=I32),
-    Column("step", "int", "verify step id, equal on every rank and layer of one step"),
-    Column("call", "int", "per-producer call counter"),
-    Column("ts", "float", "unix time of the call, seconds", minimum=None),
+    Column("step", "int", "verify step id, equal on every rank and layer of one step", maximum=COUNTER_MAX),
+    Column("call", "int", "per-producer call counter", maximum=COUNTER_MAX),
+    Column("ts", "float", "unix time of the call, seconds (before 2100)", maximum=TS_MAX),
     Column("batch_size", "int", "requests in the verify batch (padding excluded)", minimum=1, maximum=I32),
     Column("draft_tokens", "int", "largest tree size T in the batch", minimum=1, maximum=I32),
     Column("prefix_len", "int", "longest prefix length L in the batch", maximum=I32),
     Column("heads", "int", "query heads on this rank", minimum=1, maximum=I32),
-    Column("numel", "int", "output elements compared"),
+    Column("numel", "int", "output elements compared", maximum=COUNT_MAX),
     Column("max_abs", "float", "max |candidate - baseline|", nan_ok=True),
     Column("mean_abs", "float", "mean |candidate - baseline|", nan_ok=True),
     Column("max_rel", "float", "max |c - b| / max(|b|, tiny)", nan_ok=True),
     Column("rel_l2", "float", "||c - b|| / ||b||", nan_ok=True),
     Column("cos_diff", "float", "sum (c-b)^2 / sum (c^2 + b^2)", nan_ok=True),
     Column("out_scale", "float", "max |baseline| over finite elements", nan_ok=True),
-    Column("nan_base", "int", "NaN elements in the baseline output"),
-    Column("inf_base", "int", "Inf elements in the baseline output"),
-    Column("nan_cand", "int", "NaN elements in the candidate output"),
-    Column("inf_cand", "int", "Inf elements in the candidate output"),
-    Column("cand_nonfinite", "int", "positions non-finite in the candidate only (a hard failure)"),
-    Column("base_nonfinite", "int", "positions non-finite in the baseline only (a baseline event)"),
+    Column("nan_base", "int", "NaN elements in the baseline output", maximum=COUNT_MAX),
+    Column("inf_base", "int", "Inf elements in the baseline output", maximum=COUNT_MAX),
+    Column("nan_cand", "int", "NaN elements in the candidate output", maximum=COUNT_MAX),
+    Column("inf_cand", "int", "Inf elements in the candidate output", maximum=COUNT_MAX),
+    Column("cand_nonfinite", "int", "positions non-finite in the candidate only (a hard failure)",
+           maximum=COUNT_MAX),
+    Column("base_nonfinite", "int", "positions non-finite in the baseline only (a baseline event)",
+           maximum=COUNT_MAX),
     Column("hist", "int", f"list of {HIST_BINS} counts: log2 histogram of |diff| (see HIST_*); in msgpack also "
            f"packed: one bin value of n × {HIST_BINS} little-endian int64"),
     Column("error", "str", "candidate failure marker: exception:<Type>, shape, dtype, candidate_flag:0x<bits>, ...",

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shadowd import __version__
 from shadowd.collector.db import check_schema, make_engine, upgrade
@@ -24,7 +25,7 @@ from shadowd.collector.settings import CollectorSettings
 from shadowd.collector.store import Store
 from shadowd.judge.policy import load_policy
 
-__all__ = ["create_app"]
+__all__ = ["BodyLimit", "create_app"]
 
 log = logging.getLogger("shadowd.collector")
 
@@ -44,6 +45,26 @@ async def _retention_loop(state: AppState) -> None:
                 log.info("retention: deleted %d raw samples older than %.1f h", n, s.retention_hours)
         except Exception:
             log.exception("retention pass failed; will retry")
+
+
+class BodyLimit:
+    """Refuses (413) a request on any route whose declared Content-Length is over ``limit``, before its body is
+    read. (The samples route also counts a body sent without one as it reads it: ``deps.read_body``.)"""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for key, value in scope["headers"]:
+                if key == b"content-length" and value.isdigit() and int(value) > self.limit:
+                    answer = JSONResponse({"detail": {"field": "body", "error": f"{int(value)} bytes is over the "
+                                                                                 f"{self.limit}-byte limit"}},
+                                          status_code=413)
+                    await answer(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def create_app(settings: CollectorSettings | None = None, registry: CollectorRegistry | None = None) -> FastAPI:
@@ -91,6 +112,7 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
     app.state.metrics = metrics
     app.state.evaluator = evaluator
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     for module in (health, runs, samples, readiness, status):
         app.include_router(module.router)
     return app

@@ -22,7 +22,16 @@ import numpy as np
 import orjson
 
 from shadowd.collector import histblob
-from shadowd.wire import COLUMNS, HIST_BINS, PRODUCER_NOTE_MAX, PRODUCER_NOTES, PRODUCER_STATS, Column, samples_digest
+from shadowd.wire import (
+    COLUMNS,
+    COUNT_MAX,
+    HIST_BINS,
+    PRODUCER_NOTE_MAX,
+    PRODUCER_NOTES,
+    PRODUCER_STATS,
+    Column,
+    samples_digest,
+)
 
 __all__ = ["DIGEST_PREFIX", "MAX_SAMPLES", "BadBatch", "ValidBatch", "columns_digest", "parse_batch"]
 
@@ -134,7 +143,7 @@ def _int_column(name: str, raw: list[Any] | bytes, col: Column, n: int) -> np.nd
                 what = "NaN" if isinstance(v, float) and math.isnan(v) else type(v).__name__
                 raise BadBatch(f"samples.{name}[{i}]", f"must be an integer, got {what}")
             if abs(v) > _I64_MAX:
-                raise BadBatch(f"samples.{name}[{i}]", "integer out of range")
+                raise BadBatch(f"samples.{name}[{i}]", f"integer out of range (at most {col.maximum or _I64_MAX:g})")
         raise BadBatch(f"samples.{name}", "must be a list of integers")
     arr = arr.astype(np.int64, copy=False)
     _check_range(name, arr, col)
@@ -167,6 +176,10 @@ def _float_column(name: str, raw: list[Any] | bytes, col: Column, n: int) -> np.
     if col.minimum is not None and (low := arr < col.minimum).any():
         i = _first_bad(low)
         raise BadBatch(f"samples.{name}[{i}]", f"must be ≥ {col.minimum:g}, got {arr[i]}")
+    if col.maximum is not None and (high := arr > col.maximum).any():
+        i = _first_bad(high)
+        raise BadBatch(f"samples.{name}[{i}]", f"must be ≤ {col.maximum:g}, got {arr[i]:g}"
+                       + (" (seconds since the epoch, not milliseconds)" if name == "ts" else ""))
     return arr
 
 
@@ -176,6 +189,8 @@ def _str_column(name: str, raw: list[Any]) -> list[str | None]:
             raise BadBatch(f"samples.{name}[{i}]", f"must be a string or null, got {type(v).__name__}")
         if isinstance(v, str) and len(v) > 200:
             raise BadBatch(f"samples.{name}[{i}]", "longer than 200 characters")
+        if isinstance(v, str) and "\x00" in v:
+            raise BadBatch(f"samples.{name}[{i}]", "must not contain NUL characters")
         if name == "mode" and v is not None and v not in _MODES:
             raise BadBatch(f"samples.{name}[{i}]", f"must be one of {sorted(_MODES)}, got {v!r}")
     return list(raw)
@@ -187,8 +202,7 @@ def _hist_column(raw: list[Any] | bytes, n: int) -> np.ndarray:
             raise BadBatch("samples.hist", f"packed histogram must be {n} × {HIST_BINS} int64 ({n * HIST_BINS * 8} "
                                            f"bytes), got {len(raw)} bytes")
         arr = np.frombuffer(raw, dtype="<i8").reshape(n, HIST_BINS)
-        if (low := arr < 0).any():
-            raise BadBatch(f"samples.hist[{int(np.argwhere(low)[0][0])}]", "counts must be ≥ 0")
+        _check_hist_counts(arr)
         return arr
     arr = _as_array(raw) if raw else np.zeros((0, HIST_BINS), dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.shape != (n, HIST_BINS):
@@ -200,9 +214,15 @@ def _hist_column(raw: list[Any] | bytes, n: int) -> np.ndarray:
                     raise BadBatch(f"samples.hist[{i}]", f"counts must be integers, got {type(v).__name__}")
         raise BadBatch("samples.hist", f"must be {n} lists of {HIST_BINS} integer counts")
     arr = arr.astype(np.int64, copy=False)
+    _check_hist_counts(arr)
+    return arr
+
+
+def _check_hist_counts(arr: np.ndarray) -> None:
     if (low := arr < 0).any():
         raise BadBatch(f"samples.hist[{int(np.argwhere(low)[0][0])}]", "counts must be ≥ 0")
-    return arr
+    if (high := arr > COUNT_MAX).any():
+        raise BadBatch(f"samples.hist[{int(np.argwhere(high)[0][0])}]", f"counts must be ≤ {COUNT_MAX}")
 
 
 def _producer_fields(raw: Any, name: str, known: tuple[str, ...], ok: Callable[[Any], bool], want: str
@@ -228,8 +248,8 @@ def _producer_stats(raw: Any) -> dict[str, int]:
 
 def _producer_notes(raw: Any) -> dict[str, str]:
     notes = _producer_fields(raw, "producer_notes", PRODUCER_NOTES,
-                             lambda v: isinstance(v, str) and len(v) <= PRODUCER_NOTE_MAX,
-                             f"a string of at most {PRODUCER_NOTE_MAX} characters")
+                             lambda v: isinstance(v, str) and len(v) <= PRODUCER_NOTE_MAX and "\x00" not in v,
+                             f"a string of at most {PRODUCER_NOTE_MAX} characters, without NUL characters")
     return {k: v for k, v in notes.items() if v}
 
 
@@ -238,8 +258,8 @@ def parse_batch(body: Any) -> ValidBatch:
     if not isinstance(body, Mapping):
         raise BadBatch("body", "must be an object with producer, seq and samples")
     producer = body.get("producer")
-    if not isinstance(producer, str) or not 1 <= len(producer) <= 64:
-        raise BadBatch("producer", "must be a string of 1 to 64 characters")
+    if not isinstance(producer, str) or not 1 <= len(producer) <= 64 or "\x00" in producer:
+        raise BadBatch("producer", "must be a string of 1 to 64 characters, without NUL characters")
     seq = body.get("seq")
     if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= _I64_MAX:
         raise BadBatch("seq", "must be a non-negative integer")
@@ -257,7 +277,7 @@ def parse_batch(body: Any) -> ValidBatch:
     for name in raw:
         if name not in _BY_NAME:
             raise BadBatch(f"samples.{name}", "unknown column")
-    n: int | None = None
+    lengths: dict[str, int] = {}
     for col in COLUMNS:
         values = raw.get(col.name)
         if values is None:
@@ -267,15 +287,19 @@ def parse_batch(body: Any) -> ValidBatch:
         if isinstance(values, bytes):
             if col.kind == "str":
                 raise BadBatch(f"samples.{col.name}", "must be a list")
-            if n is None and col.name != "hist":
-                n = len(values) // 8  # packed: its exact length is checked when it is decoded
+            if col.name != "hist":  # packed: its exact length is checked when it is decoded
+                lengths[col.name] = len(values) // 8
             continue
         if not isinstance(values, list):
             raise BadBatch(f"samples.{col.name}", "must be a list")
-        if n is None:
-            n = len(values)
-        elif len(values) != n:
-            raise BadBatch(f"samples.{col.name}", f"has {len(values)} entries, expected {n}")
+        lengths[col.name] = len(values)
+    # every column needs the same number of entries: the most common count is the batch's, and the first
+    # column that differs from it is the one named
+    counts = list(lengths.values())
+    n = max(set(counts), key=lambda k: (counts.count(k), -counts.index(k))) if counts else None
+    for name, k in lengths.items():
+        if k != n:
+            raise BadBatch(f"samples.{name}", f"has {k} entries, the other columns {n}")
     if not n:
         raise BadBatch("samples", "batch holds no samples")
     if n > MAX_SAMPLES:

@@ -6,7 +6,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from sqlalchemy import Engine
 
 from shadowd.collector.errors import ApiError
@@ -15,7 +15,12 @@ from shadowd.collector.settings import CollectorSettings
 from shadowd.collector.store import Store
 from shadowd.judge.policy import Policy
 
-__all__ = ["AppState", "Authorized", "State", "get_state", "read_body", "require_token"]
+__all__ = ["ROW_ID_MAX", "AppState", "Authorized", "RunId", "State", "get_state", "read_body", "require_token"]
+
+#: the largest row id (and list offset) a request may name: the databases' 64-bit integer
+ROW_ID_MAX = 2**63 - 1
+#: a run id in a path: a positive 64-bit integer (else 422 naming ``run_id``, never a database error)
+RunId = Annotated[int, Path(ge=1, le=ROW_ID_MAX)]
 
 
 @dataclass

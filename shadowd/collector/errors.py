@@ -8,7 +8,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shadowd.collector.batch import BadBatch
@@ -60,12 +60,26 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            where = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+            ctx = first.get("ctx")
+            error = ctx.get("error", "") if isinstance(ctx, dict) else ""
+            return _answer(request, 400, "body", "not valid JSON" + (f" at byte {where}" if where is not None else "")
+                           + (f": {error}" if error else ""))
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         return _answer(request, 422, ".".join(loc) or "body", str(first.get("msg")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _answer(request, exc.status_code, "request", str(exc.detail))
+
+    @app.exception_handler(DataError)
+    async def _data(request: Request, exc: DataError) -> JSONResponse:
+        # a value the database refuses (out of its range, a character it cannot store): the same request would
+        # fail again, so it is the client's error, not "retry later"; the transaction was rolled back
+        detail = str(exc.orig).splitlines()[0] if exc.orig is not None else type(exc).__name__
+        log.warning("database refused a value on %s: %s", request.url.path, detail)
+        return _answer(request, 422, "body", f"the database refused a value: {detail}")
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shadowd.wire import TS_MAX
 
 __all__ = ["Impl", "IngestAnswer", "ModeChange", "RunCreate", "RunOut"]
+
+#: labels of a run: at most this many, with keys and values of bounded length
+LABELS_MAX, LABEL_KEY_MAX, LABEL_VALUE_MAX = 64, 100, 500
+
+
+def _no_nul(value: Any) -> Any:
+    # PostgreSQL text cannot hold NUL characters (SQLite can): refused in every string, on either database
+    if isinstance(value, str) and "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
 
 _name = Field(min_length=1, max_length=200)
 
@@ -18,6 +30,11 @@ class Impl(BaseModel):
     name: str = _name
     fingerprint: str = _name
 
+    @field_validator("*")
+    @classmethod
+    def _strings(cls, value: Any) -> Any:
+        return _no_nul(value)
+
 
 class RunCreate(BaseModel):
     """``POST /v1/runs``: one shadow session. Idempotent on ``run_key``."""
@@ -25,16 +42,32 @@ class RunCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     run_key: str = Field(min_length=1, max_length=200, description="client-chosen key; same key, same run")
     model: str = _name
-    num_layers: int = Field(ge=1, le=100_000)
-    tp_size: int = Field(1, ge=1, le=4096)
+    num_layers: int = Field(ge=1, le=100_000, strict=True)  # (strict: "4" and true are not layer counts)
+    tp_size: int = Field(1, ge=1, le=4096, strict=True)
     gpu_name: str = Field("", max_length=200)
     gpu_arch: str = Field("", max_length=50)
     driver: str = Field("", max_length=100)
     sglang_version: str = Field("", max_length=50)
     candidate: Impl
     baseline: Impl
-    labels: dict[str, str] = Field(default_factory=dict)
-    started_at: float | None = Field(None, ge=0, description="unix seconds; the server's clock when omitted")
+    labels: dict[str, str] = Field(default_factory=dict, max_length=LABELS_MAX)
+    started_at: float | None = Field(None, ge=0, le=TS_MAX, allow_inf_nan=False,
+                                     description="unix seconds (before 2100); the server's clock when omitted")
+
+    @field_validator("*")
+    @classmethod
+    def _strings(cls, value: Any) -> Any:
+        return _no_nul(value)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if not 1 <= len(key) <= LABEL_KEY_MAX or "\x00" in key:
+                raise ValueError(f"label key {key[:40]!r}: 1 to {LABEL_KEY_MAX} characters, without NUL characters")
+            if len(value) > LABEL_VALUE_MAX or "\x00" in value:
+                raise ValueError(f"label {key!r}: at most {LABEL_VALUE_MAX} characters, without NUL characters")
+        return labels
 
     def fields(self) -> dict[str, Any]:
         return {

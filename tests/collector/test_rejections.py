@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from shadowd.collector import tables as t
@@ -67,6 +68,21 @@ def _cases():
         ("unknown producer note", lambda: {**make_batch(6), "producer_notes": {"why": "x"}}, 422, "producer_notes.why"),
         ("overlong producer note", lambda: {**make_batch(6), "producer_notes": {"disabled_reason": "x" * 301}}, 422,
          "producer_notes.disabled_reason"),
+        # bounds that keep the rollups' sums and time buckets exact (each was a 500 or a corrupt rollup before)
+        ("timestamp in milliseconds", with_value("ts", 0, 1.7e12), 422, "samples.ts[0]"),
+        ("timestamps centuries apart", with_value("ts", 1, 1e20), 422, "samples.ts[1]"),
+        ("step beyond 2^53", with_value("step", 1, 2**62), 422, "samples.step[1]"),
+        ("numel beyond 2^48", with_value("numel", 2, 2**63 - 1), 422, "samples.numel[2]"),
+        # NUL characters: PostgreSQL text cannot hold them (it answered 503 "retry later")
+        ("NUL in an error string", lambda: {**make_batch(6), "samples": {
+            **make_batch(6)["samples"], "error": [None, "bad\x00err", None, None, None, None]}}, 422,
+         "samples.error[1]"),
+        ("NUL in the producer", lambda: {**make_batch(6), "producer": "p\x001"}, 422, "producer"),
+        ("NUL in a producer note", lambda: {**make_batch(6), "producer_notes": {"disabled_reason": "x\x00y"}}, 422,
+         "producer_notes.disabled_reason"),
+        # a column longer than the rest is the one named (the next column was blamed)
+        ("first column too long", lambda: {**make_batch(6), "samples": {
+            **make_batch(6)["samples"], "layer": make_batch(6)["samples"]["layer"] + [0]}}, 422, "samples.layer"),
     ]
 
 
@@ -124,3 +140,52 @@ def test_bad_run_registration_names_the_field(fresh_sqlite, make_client):
     r = c.post("/v1/runs", json=body)
     assert r.status_code == 422 and r.json()["detail"]["field"] == "candidate"
     assert count_rows(fresh_sqlite, t.runs) == 0
+
+
+def test_bad_run_values_are_refused_and_store_nothing(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite, max_body_bytes=4096)
+    cases = [
+        (run_body(started_at="inf"), 422, "started_at"),  # was stored, then a 500 on every read of it
+        (run_body(started_at=1e308), 422, "started_at"),
+        (run_body(num_layers="4"), 422, "num_layers"),
+        (run_body(num_layers=True), 422, "num_layers"),
+        (run_body(key="k\x00nul"), 422, "run_key"),
+        (run_body(labels={f"k{i}": "v" for i in range(65)}), 422, "labels"),
+        (run_body(labels={"note": "x\x00y"}), 422, "labels"),
+    ]
+    for body, status, field in cases:
+        r = c.post("/v1/runs", json=body)
+        assert (r.status_code, r.json()["detail"]["field"]) == (status, field), (body, r.text)
+    big = c.post("/v1/runs", json=run_body(labels={f"k{i}": "v" * 400 for i in range(20)}))
+    assert big.status_code == 413 and big.json()["detail"]["field"] == "body"  # every route has the body limit
+    bad_json = c.post("/v1/runs", content=b'{"run_key": ', headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["detail"]["field"] == "body"
+    assert "not valid JSON at byte" in bad_json.json()["detail"]["error"]
+    assert count_rows(fresh_sqlite, t.runs) == 0
+
+
+def test_ids_beyond_64_bits_and_content_types(fresh_sqlite, make_client):
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body())
+    huge = 2**63
+    for method, path in (("GET", f"/v1/runs/{huge}"), ("GET", f"/v1/runs/{huge}/layers"),
+                         ("GET", f"/readiness/{huge}/layers"), ("GET", f"/readiness?run_id={huge}"),
+                         ("GET", f"/v1/runs?offset={huge}"), ("PUT", f"/v1/runs/{huge}/mode")):
+        r = c.request(method, path, json={"mode": "off"} if method == "PUT" else None)
+        assert r.status_code == 422 and r.json()["detail"]["field"] in ("run_id", "offset"), (path, r.text)
+    assert post_msgpack(c, huge, make_batch(2)).status_code == 422
+    body = orjson.dumps(make_batch(3), option=orjson.OPT_SERIALIZE_NUMPY)
+    odd = c.post(f"/v1/runs/{run_id}/samples", content=body, headers={"content-type": "application/jsonx"})
+    assert odd.status_code == 415 and odd.json()["detail"]["field"] == "content-type"
+    _nothing_stored(fresh_sqlite)
+    plain = c.post(f"/v1/runs/{run_id}/samples", content=body,
+                   headers={"content-type": "application/json; charset=utf-8"})
+    assert plain.status_code == 200, plain.text
+
+
+def test_bad_run_values_store_nothing_on_postgres(fresh_pg, make_client):
+    c = make_client(fresh_pg)
+    for body in (run_body(key="k\x00nul"), run_body(started_at="inf")):
+        r = c.post("/v1/runs", json=body)
+        assert r.status_code == 422, r.text  # (NUL was a 503 "retry later" on PostgreSQL)
+    assert count_rows(fresh_pg, t.runs) == 0

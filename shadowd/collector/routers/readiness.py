@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from shadowd.collector import queries
-from shadowd.collector.deps import AppState, Authorized, State
+from shadowd.collector.deps import ROW_ID_MAX, AppState, Authorized, RunId, State
 from shadowd.collector.evaluator import Evaluator
 from shadowd.judge.verdict import READY
 
@@ -33,7 +33,8 @@ def get_evaluator(request: Request, state: AppState) -> Evaluator:
 
 
 @router.get("/readiness")
-async def readiness(request: Request, state: State, run_id: int | None = Query(None, ge=1)) -> JSONResponse:
+async def readiness(request: Request, state: State,
+                    run_id: int | None = Query(None, ge=1, le=ROW_ID_MAX)) -> JSONResponse:
     """The verdict of ``run_id`` (the latest run when omitted), with every criterion and the reasons; beside it
     SGLang's accept length per mode and, per producer that reported one, why its candidate was disabled or fell
     back (``producer_notes``)."""
@@ -52,7 +53,7 @@ async def readiness(request: Request, state: State, run_id: int | None = Query(N
 
 
 @router.get("/readiness/{run_id}/layers")
-async def readiness_layers(request: Request, state: State, run_id: int) -> dict[str, Any]:
+async def readiness_layers(request: Request, state: State, run_id: RunId) -> dict[str, Any]:
     """Per-layer table: samples, exceedances, errors, mean statistics, drift ratio, problems."""
     ev = get_evaluator(request, state)
     await run_in_threadpool(queries.run_row, state.engine, run_id)

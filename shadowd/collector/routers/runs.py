@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from shadowd.collector import queries
-from shadowd.collector.deps import Authorized, State
+from shadowd.collector.deps import ROW_ID_MAX, Authorized, RunId, State
 from shadowd.collector.schemas import ModeChange, RunCreate, RunOut
 
 __all__ = ["router"]
@@ -27,20 +27,20 @@ async def register_run(body: RunCreate, state: State, response: Response) -> Run
 
 @router.get("")
 async def list_runs(state: State, limit: int = Query(100, ge=1, le=1000),
-                    offset: int = Query(0, ge=0)) -> list[RunOut]:
+                    offset: int = Query(0, ge=0, le=ROW_ID_MAX)) -> list[RunOut]:
     rows = await run_in_threadpool(queries.list_runs, state.engine, limit, offset)
     return [RunOut.of(r) for r in rows]
 
 
 @router.get("/{run_id}")
-async def get_run(run_id: int, state: State) -> RunOut:
+async def get_run(run_id: RunId, state: State) -> RunOut:
     """One run with its counters and SGLang's accept length per hook mode."""
     row = await run_in_threadpool(queries.run_row, state.engine, run_id)
     return RunOut.of(row, await run_in_threadpool(queries.speculative, state.engine, run_id))
 
 
 @router.get("/{run_id}/layers")
-async def run_layers(run_id: int, state: State) -> dict[str, Any]:
+async def run_layers(run_id: RunId, state: State) -> dict[str, Any]:
     """Per-layer summary from the rollups: samples, exceedances, errors, mean/max statistics, timing."""
     run = await run_in_threadpool(queries.run_row, state.engine, run_id)
     layers = await run_in_threadpool(queries.layer_summary, state.engine, run_id)
@@ -50,13 +50,13 @@ async def run_layers(run_id: int, state: State) -> dict[str, Any]:
 
 
 @router.get("/{run_id}/producers")
-async def run_producers(run_id: int, state: State) -> list[dict[str, Any]]:
+async def run_producers(run_id: RunId, state: State) -> list[dict[str, Any]]:
     """Producers (one per process) with their sequence gaps, spool depth and drops."""
     await run_in_threadpool(queries.run_row, state.engine, run_id)
     return await run_in_threadpool(queries.producers_of, state.engine, run_id)
 
 
 @router.put("/{run_id}/mode")
-async def set_mode(run_id: int, body: ModeChange, state: State) -> RunOut:
+async def set_mode(run_id: RunId, body: ModeChange, state: State) -> RunOut:
     """The kill switch: force every producer of the run to ``validate`` or ``off`` (null clears)."""
     return RunOut.of(await run_in_threadpool(state.store.set_mode_override, run_id, body.mode))

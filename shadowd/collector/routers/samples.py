@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from shadowd.collector.batch import ValidBatch, parse_batch
-from shadowd.collector.deps import Authorized, State, read_body
+from shadowd.collector.deps import Authorized, RunId, State, read_body
 from shadowd.collector.errors import ApiError
 from shadowd.collector.schemas import IngestAnswer
 from shadowd.collector.store import IngestResult
@@ -19,12 +19,14 @@ router = APIRouter(prefix="/v1/runs", tags=["samples"], dependencies=[Authorized
 
 
 def _decode(body: bytes, content_type: str) -> object:
-    if content_type.startswith(MSGPACK) or content_type.startswith("application/x-msgpack"):
+    # the media type without its parameters (``application/json; charset=utf-8``); none at all: JSON
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media in (MSGPACK, "application/x-msgpack"):
         try:
             return decode_msgpack(body)
         except Exception as exc:
             raise ApiError(400, "body", f"not valid msgpack: {exc}") from None
-    if content_type.startswith("application/json") or not content_type:
+    if media in ("application/json", ""):
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -33,7 +35,7 @@ def _decode(body: bytes, content_type: str) -> object:
 
 
 @router.post("/{run_id}/samples")
-async def ingest(run_id: int, request: Request, state: State) -> IngestAnswer:
+async def ingest(run_id: RunId, request: Request, state: State) -> IngestAnswer:
     """Store one batch (one transaction). A re-delivered batch is stored once and answered as duplicate."""
     body = await read_body(request, state.settings.max_body_bytes)
     decoded = _decode(body, request.headers.get("content-type", ""))

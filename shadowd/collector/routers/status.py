@@ -25,7 +25,7 @@ from shadowd import __version__
 from shadowd.collector import queries
 from shadowd.collector import tables as t
 from shadowd.collector.charts import exceedance_svg, heatmap_svg
-from shadowd.collector.deps import State
+from shadowd.collector.deps import ROW_ID_MAX, State
 from shadowd.collector.store import UnknownRun
 
 __all__ = ["StatusData", "load_status", "render_status", "router"]
@@ -354,7 +354,7 @@ def render_status(data: StatusData) -> str:
 
 
 @router.get("/", response_class=HTMLResponse)
-async def status_page(state: State, run_id: int | None = Query(None, ge=1)) -> HTMLResponse:
+async def status_page(state: State, run_id: int | None = Query(None, ge=1, le=ROW_ID_MAX)) -> HTMLResponse:
     """The status page of run ``run_id`` (the latest run when omitted)."""
     tol = state.policy.tol("rel_l2_max")
 
