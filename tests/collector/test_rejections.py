@@ -121,6 +121,8 @@ def test_unknown_run_oversized_body_and_garbage(fresh_sqlite, make_client):
     c = make_client(fresh_sqlite, max_body_bytes=4096)
     r = post_msgpack(c, 999, make_batch(2))
     assert r.status_code == 404 and r.json()["detail"]["field"] == "run_id"
+    r = post_msgpack(c, 999, make_batch(2, seq=-1))  # bad too: the unknown run is what is answered
+    assert r.status_code == 404 and r.json()["detail"]["field"] == "run_id"
     run_id = register(c, run_body())
     big = post_msgpack(c, run_id, make_batch(200))
     assert big.status_code == 413 and big.json()["detail"]["field"] == "body"

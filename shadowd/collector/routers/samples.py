@@ -6,7 +6,8 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from shadowd.collector.batch import ValidBatch, parse_batch
+from shadowd.collector import queries
+from shadowd.collector.batch import BadBatch, ValidBatch, parse_batch
 from shadowd.collector.deps import Authorized, RunId, State, read_body
 from shadowd.collector.errors import ApiError
 from shadowd.collector.schemas import IngestAnswer
@@ -41,7 +42,11 @@ async def ingest(run_id: RunId, request: Request, state: State) -> IngestAnswer:
     decoded = _decode(body, request.headers.get("content-type", ""))
 
     def parse_and_store() -> tuple[ValidBatch, IngestResult]:
-        batch = parse_batch(decoded)
+        try:
+            batch = parse_batch(decoded)
+        except BadBatch:
+            queries.run_row(state.engine, run_id)  # an unknown run is the first thing wrong: 404, not the 422
+            raise
         return batch, state.store.ingest(run_id, batch, state.writer)
 
     batch, result = await run_in_threadpool(parse_and_store)
