@@ -2,7 +2,7 @@
 
 | variable | meaning | default |
 | --- | --- | --- |
-| ``SHADOWD_MODE`` (or the seed's ``KDTREE_VERIFY``) | ``off``, ``validate`` or ``on`` | ``off`` |
+| ``SHADOWD_MODE`` (or the seed's ``KDTREE_VERIFY``) | ``off``, ``validate`` or ``on`` (``1``: refused) | ``off`` |
 | ``SHADOWD_SAMPLE`` | validate sampling: ``all``, ``1/N`` (N-th steps) or a fraction | ``all`` |
 | ``SHADOWD_SPOT_CHECK`` | on-mode spot check: 1 in N steps against the baseline | ``100`` |
 | ``SHADOWD_ORACLE`` | 1 in M sampled validate calls also run the fp32 oracle (0 = never) | ``0`` |
@@ -14,6 +14,8 @@
 | ``SHADOWD_BUNDLE_REL_L2`` | tolerance above which a bundle is saved | ``0.016`` |
 | ``SHADOWD_DISABLE_AFTER`` | consecutive candidate errors that disable it for the process | ``5`` |
 | ``SHADOWD_MAX_DRAFT_TOKENS`` / ``SHADOWD_MAX_PREFIX_LEN`` | on-mode coverage (else baseline) | unbounded |
+| ``SHADOWD_ORACLE_CHUNK_ROWS`` | query rows per chunk of the oracle (bounds its memory at long prefixes) | ``64`` |
+| ``SHADOWD_RANK`` (else ``RANK``) | this process's rank, outside SGLang (the SGLang plugin uses the TP rank) | ``0`` |
 """
 
 from __future__ import annotations
@@ -30,9 +32,14 @@ MODE_CODE = {"off": 0, "validate": 1, "on": 2}
 
 
 def parse_mode(value: str | None) -> str:
-    """``off`` / ``validate`` / ``on`` (case-insensitive; ``0``/``1`` too); raises ValueError otherwise."""
+    """``off`` / ``validate`` / ``on`` (case-insensitive; ``0`` / ``false`` for off, ``shadow`` for validate);
+    raises ValueError otherwise. ``1`` / ``true`` are refused, naming the two modes they could mean: serving the
+    candidate must be asked for by name."""
     v = (value or "off").strip().lower()
-    v = {"0": "off", "false": "off", "1": "on", "true": "on", "shadow": "validate"}.get(v, v)
+    if v in ("1", "true", "yes", "enabled"):
+        raise ValueError(f"mode {value!r} is ambiguous: say 'validate' (run both, serve the baseline) or 'on' "
+                         "(serve the candidate)")
+    v = {"0": "off", "false": "off", "shadow": "validate"}.get(v, v)
     if v not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {value!r}")
     return v

@@ -122,8 +122,11 @@ class ProcessSetup:
                 return self.runtime
             config = HookConfig.from_env(self.env)
             rank, tp_size = _parallel(model_runner)
-            if "SHADOWD_RANK" not in self.env:
-                config.rank = rank
+            if self.env.get("SHADOWD_RANK", str(rank)).strip() != str(rank):
+                # (one value for every worker of a launch would merge all ranks into one producer and spool)
+                log.warning("shadowd: SHADOWD_RANK=%s ignored under SGLang: this worker reports its TP rank %d",
+                            self.env["SHADOWD_RANK"], rank)
+            config.rank = rank
             device = str(getattr(model_runner, "device", "cuda"))
             check_graph_safety(config, device.startswith("cuda") and decode_graphs_enabled(model_runner), self.env)
             rt = HookRuntime(config)

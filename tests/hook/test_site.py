@@ -33,6 +33,10 @@ def test_config_from_env() -> None:
     assert parse_sampling("0.25").every_n() == 4 and parse_sampling("all").every == 1
     with pytest.raises(ValueError):
         parse_mode("sometimes")
+    assert parse_mode("0") == parse_mode("FALSE") == "off" and parse_mode(" Shadow ") == "validate"
+    for vague in ("1", "true"):  # serving the candidate is asked for by name, never by a truthy flag
+        with pytest.raises(ValueError, match="ambiguous: say 'validate'"):
+            parse_mode(vague)
 
 
 def test_off_runs_only_the_baseline() -> None:

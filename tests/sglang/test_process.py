@@ -38,7 +38,8 @@ def test_two_ranks_register_one_run_and_stream(sgl: Any, collector: Collector, t
 
     monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
     env = {"SHADOWD_MODE": "validate", "SHADOWD_URL": collector.url, "SHADOWD_RUN_KEY": "launch-1",
-           "SHADOWD_SPOOL_DIR": str(tmp_path / "spool"), "SHADOWD_FLUSH_INTERVAL_S": "0.1"}
+           "SHADOWD_SPOOL_DIR": str(tmp_path / "spool"), "SHADOWD_FLUSH_INTERVAL_S": "0.1",
+           "SHADOWD_RANK": "0"}  # one value for every worker: ignored, each reports its own TP rank
     runtimes = []
     for rank in (0, 1):
         spec = SpecCounters()
@@ -68,6 +69,6 @@ def test_two_ranks_register_one_run_and_stream(sgl: Any, collector: Collector, t
     import httpx
 
     producers = {p["rank"] for p in httpx.get(f"{collector.url}/v1/runs/{run['id']}/producers").json()}
-    assert producers == {0, 1}, "each rank is its own producer"
+    assert producers == {0, 1}, "each rank is its own producer (SHADOWD_RANK does not merge them)"
     for rt in runtimes:
         rt.streamer.close(2.0)
