@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from starlette.concurrency import run_in_threadpool
@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from shadowd import __version__
 from shadowd.collector.db import check_schema, make_engine, upgrade
 from shadowd.collector.deps import AppState
-from shadowd.collector.errors import install_error_handlers
+from shadowd.collector.errors import answer, install_error_handlers
 from shadowd.collector.evaluator import Evaluator
 from shadowd.collector.metrics import CollectorMetrics, RollupExporter
 from shadowd.collector.routers import health, readiness, runs, samples, status
@@ -49,7 +49,8 @@ async def _retention_loop(state: AppState) -> None:
 
 class BodyLimit:
     """Refuses (413) a request on any route whose declared Content-Length is over ``limit``, before its body is
-    read. (The samples route also counts a body sent without one as it reads it: ``deps.read_body``.)"""
+    read (a refused sample batch is counted like any other). The samples route also counts a body sent without
+    one as it reads it: ``deps.read_body``."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -59,10 +60,9 @@ class BodyLimit:
         if scope["type"] == "http":
             for key, value in scope["headers"]:
                 if key == b"content-length" and value.isdigit() and int(value) > self.limit:
-                    answer = JSONResponse({"detail": {"field": "body", "error": f"{int(value)} bytes is over the "
-                                                                                 f"{self.limit}-byte limit"}},
-                                          status_code=413)
-                    await answer(scope, receive, send)
+                    refusal = answer(Request(scope), 413, "body", f"{int(value)} bytes is over the {self.limit}-byte "
+                                                                  "limit")
+                    await refusal(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 

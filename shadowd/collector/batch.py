@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,8 +296,7 @@ def parse_batch(body: Any) -> ValidBatch:
         lengths[col.name] = len(values)
     # every column needs the same number of entries: the most common count is the batch's, and the first
     # column that differs from it is the one named
-    counts = list(lengths.values())
-    n = max(set(counts), key=lambda k: (counts.count(k), -counts.index(k))) if counts else None
+    n = Counter(lengths.values()).most_common(1)[0][0] if lengths else None  # (ties: the first column's count)
     for name, k in lengths.items():
         if k != n:
             raise BadBatch(f"samples.{name}", f"has {k} entries, the other columns {n}")

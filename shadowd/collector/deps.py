@@ -59,10 +59,8 @@ Authorized = Depends(require_token)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes without reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body", f"{declared} bytes is over the {limit}-byte limit")
+    """The request body, refusing (413) one that grows over ``limit`` bytes as it is read (a declared length over
+    it never gets here: ``app.BodyLimit`` refuses it first, on every route)."""
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():

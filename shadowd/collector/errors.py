@@ -15,7 +15,7 @@ from shadowd.collector.batch import BadBatch
 from shadowd.collector.store import Conflict, UnknownRun
 from shadowd.collector.writer import WriterUnavailable
 
-__all__ = ["ApiError", "install_error_handlers"]
+__all__ = ["ApiError", "answer", "install_error_handlers"]
 
 log = logging.getLogger("shadowd.collector")
 
@@ -31,8 +31,9 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def _answer(request: Request, status: int, field: str, message: str,
-            headers: dict[str, str] | None = None) -> JSONResponse:
+def answer(request: Request, status: int, field: str, message: str,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error answer of every 4xx (``{"detail": {"field", "error"}}``); a refused sample batch is counted."""
     if 400 <= status < 500 and request.url.path.endswith("/samples"):
         metrics = getattr(request.app.state, "metrics", None)
         if metrics is not None:
@@ -43,19 +44,19 @@ def _answer(request: Request, status: int, field: str, message: str,
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
-        return _answer(request, exc.status, exc.field, exc.message, exc.headers)
+        return answer(request, exc.status, exc.field, exc.message, exc.headers)
 
     @app.exception_handler(BadBatch)
     async def _bad(request: Request, exc: BadBatch) -> JSONResponse:
-        return _answer(request, 422, exc.field, exc.message)
+        return answer(request, 422, exc.field, exc.message)
 
     @app.exception_handler(UnknownRun)
     async def _unknown(request: Request, exc: UnknownRun) -> JSONResponse:
-        return _answer(request, 404, "run_id", str(exc))
+        return answer(request, 404, "run_id", str(exc))
 
     @app.exception_handler(Conflict)
     async def _conflict(request: Request, exc: Conflict) -> JSONResponse:
-        return _answer(request, 409, exc.field, exc.message)
+        return answer(request, 409, exc.field, exc.message)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -64,14 +65,14 @@ def install_error_handlers(app: FastAPI) -> None:
             where = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
             ctx = first.get("ctx")
             error = ctx.get("error", "") if isinstance(ctx, dict) else ""
-            return _answer(request, 400, "body", "not valid JSON" + (f" at byte {where}" if where is not None else "")
+            return answer(request, 400, "body", "not valid JSON" + (f" at byte {where}" if where is not None else "")
                            + (f": {error}" if error else ""))
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        return _answer(request, 422, ".".join(loc) or "body", str(first.get("msg")))
+        return answer(request, 422, ".".join(loc) or "body", str(first.get("msg")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _answer(request, exc.status_code, "request", str(exc.detail))
+        return answer(request, exc.status_code, "request", str(exc.detail))
 
     @app.exception_handler(DataError)
     async def _data(request: Request, exc: DataError) -> JSONResponse:
@@ -79,7 +80,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # fail again, so it is the client's error, not "retry later"; the transaction was rolled back
         detail = str(exc.orig).splitlines()[0] if exc.orig is not None else type(exc).__name__
         log.warning("database refused a value on %s: %s", request.url.path, detail)
-        return _answer(request, 422, "body", f"the database refused a value: {detail}")
+        return answer(request, 422, "body", f"the database refused a value: {detail}")
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:

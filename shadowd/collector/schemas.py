@@ -23,12 +23,10 @@ def _no_nul(value: Any) -> Any:
 _name = Field(min_length=1, max_length=200)
 
 
-class Impl(BaseModel):
-    """An implementation under comparison: a name and a fingerprint (build hash + config)."""
+class _Body(BaseModel):
+    """A request body: no unknown fields, no NUL character in any string field."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = _name
-    fingerprint: str = _name
 
     @field_validator("*")
     @classmethod
@@ -36,10 +34,16 @@ class Impl(BaseModel):
         return _no_nul(value)
 
 
-class RunCreate(BaseModel):
+class Impl(_Body):
+    """An implementation under comparison: a name and a fingerprint (build hash + config)."""
+
+    name: str = _name
+    fingerprint: str = _name
+
+
+class RunCreate(_Body):
     """``POST /v1/runs``: one shadow session. Idempotent on ``run_key``."""
 
-    model_config = ConfigDict(extra="forbid")
     run_key: str = Field(min_length=1, max_length=200, description="client-chosen key; same key, same run")
     model: str = _name
     num_layers: int = Field(ge=1, le=100_000, strict=True)  # (strict: "4" and true are not layer counts)
@@ -53,11 +57,6 @@ class RunCreate(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict, max_length=LABELS_MAX)
     started_at: float | None = Field(None, ge=0, le=TS_MAX, allow_inf_nan=False,
                                      description="unix seconds (before 2100); the server's clock when omitted")
-
-    @field_validator("*")
-    @classmethod
-    def _strings(cls, value: Any) -> Any:
-        return _no_nul(value)
 
     @field_validator("labels")
     @classmethod

@@ -158,12 +158,15 @@ def load_policy(path: Path | str | None, environ: Mapping[str, str] | None = Non
             raise PolicyError(f"policy file {path}: not valid {'TOML' if Path(path).suffix == '.toml' else 'JSON'}: "
                               f"{exc}") from None
         data.pop("description", None)
-    data.update(policy_from_env(environ))
+    env = policy_from_env(environ)
+    data.update(env)
     try:
         return Policy.model_validate(data)
     except ValidationError as exc:
-        where = f"policy file {path}" + (" or SHADOWD_POLICY_*" if policy_from_env(environ) else "") if path else \
-            "SHADOWD_POLICY_* environment"
+        if path is None:
+            where = "SHADOWD_POLICY_* environment"
+        else:
+            where = f"policy file {path}" + (" or SHADOWD_POLICY_*" if env else "")
         knobs = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise PolicyError(f"{where}: {knobs}") from None
 

@@ -126,6 +126,8 @@ def test_unknown_run_oversized_body_and_garbage(fresh_sqlite, make_client):
     run_id = register(c, run_body())
     big = post_msgpack(c, run_id, make_batch(200))
     assert big.status_code == 413 and big.json()["detail"]["field"] == "body"
+    reg = c.app.state.metrics.registry  # refused before its body was read, and still counted
+    assert reg.get_sample_value("shadowd_rejected_batches_total", {"status": "413"}) == 1
     junk = c.post(f"/v1/runs/{run_id}/samples", content=b"\xc1\xc1", headers={"content-type": "application/msgpack"})
     assert junk.status_code == 400 and junk.json()["detail"]["field"] == "body"
     text = c.post(f"/v1/runs/{run_id}/samples", content=b"x", headers={"content-type": "text/plain"})
