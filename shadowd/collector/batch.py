@@ -113,6 +113,11 @@ def _as_array(raw: list[Any]) -> np.ndarray:
         return np.empty(0, dtype=object)
 
 
+def _has_bool(raw: list[Any]) -> bool:
+    """Whether a list holds a JSON/msgpack boolean (numpy would silently read ``true`` as 1)."""
+    return bool in set(map(type, raw))
+
+
 def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -138,7 +143,7 @@ def _int_column(name: str, raw: list[Any] | bytes, col: Column, n: int) -> np.nd
         _check_range(name, arr, col)
         return arr
     arr = _as_array(raw)
-    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+    if arr.dtype.kind not in "iu" or arr.ndim != 1 or _has_bool(raw):
         for i, v in enumerate(raw):
             if isinstance(v, bool) or not isinstance(v, int):
                 what = "NaN" if isinstance(v, float) and math.isnan(v) else type(v).__name__
@@ -156,7 +161,7 @@ def _float_column(name: str, raw: list[Any] | bytes, col: Column, n: int) -> np.
         arr = _packed(name, raw, n, "<f8")
     else:
         arr = _as_array(raw)
-        if arr.dtype.kind not in "fiu" or arr.ndim != 1:
+        if arr.dtype.kind not in "fiu" or arr.ndim != 1 or _has_bool(raw):
             none_ok = col.nullable or col.nan_ok
             vals = []
             for i, v in enumerate(raw):
@@ -206,7 +211,8 @@ def _hist_column(raw: list[Any] | bytes, n: int) -> np.ndarray:
         _check_hist_counts(arr)
         return arr
     arr = _as_array(raw) if raw else np.zeros((0, HIST_BINS), dtype=np.int64)
-    if arr.dtype.kind not in "iu" or arr.shape != (n, HIST_BINS):
+    if (arr.dtype.kind not in "iu" or arr.shape != (n, HIST_BINS)
+            or any(_has_bool(row) for row in raw if isinstance(row, list))):
         for i, row in enumerate(raw):
             if not isinstance(row, list) or len(row) != HIST_BINS:
                 raise BadBatch(f"samples.hist[{i}]", f"must be a list of {HIST_BINS} integer counts")

@@ -15,9 +15,9 @@
   every later batch reports in ``producer_stats``.
 * A 4xx answer (bad batch, conflict, unknown run, too big, auth) is logged and the batch
   dropped and counted in ``rejected``: it is never retried.
-* Every answer carries the run's ``mode_override`` (the kill switch); when there is nothing
-  to send the thread polls ``GET /v1/runs/{id}`` every ``poll_interval_s``. Changes go to
-  ``on_mode_override``.
+* Every accepted batch's answer carries the run's ``mode_override`` (the kill switch); when no
+  answer has come for ``poll_interval_s`` (nothing to send, or every batch rejected) the thread
+  polls ``GET /v1/runs/{id}``. Changes go to ``on_mode_override``.
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ class Streamer:
                 self._replay()
                 if samples:
                     self._ship(samples)
-                else:
-                    self._poll_mode()
+                # no answer for poll_interval_s (idle, or every batch rejected): ask for the kill switch
+                self._poll_mode()
             except Exception as e:  # the thread must survive anything; the samples are lost and counted
                 log.warning("shadowd: streamer error, %d samples dropped: %r", len(samples), e)
                 self.dropped += len(samples)

@@ -80,6 +80,12 @@ def _cases():
         ("NUL in the producer", lambda: {**make_batch(6), "producer": "p\x001"}, 422, "producer"),
         ("NUL in a producer note", lambda: {**make_batch(6), "producer_notes": {"disabled_reason": "x\x00y"}}, 422,
          "producer_notes.disabled_reason"),
+        # booleans among numbers (numpy would read true as 1 and store it)
+        ("boolean among counts", with_value("nan_cand", 2, True), 422, "samples.nan_cand[2]"),
+        ("boolean among statistics", with_value("max_abs", 3, True), 422, "samples.max_abs[3]"),
+        ("boolean in a histogram", lambda: {**make_batch(6), "samples": {
+            **make_batch(6)["samples"], "hist": [[0] * HIST_BINS] * 4 + [[True] + [0] * (HIST_BINS - 1)]
+            + [[0] * HIST_BINS]}}, 422, "samples.hist[4]"),
         # a column longer than the rest is the one named (the next column was blamed)
         ("first column too long", lambda: {**make_batch(6), "samples": {
             **make_batch(6)["samples"], "layer": make_batch(6)["samples"]["layer"] + [0]}}, 422, "samples.layer"),

@@ -255,6 +255,31 @@ def test_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path) -> N
     st.close()
 
 
+def test_kill_switch_reaches_a_producer_whose_batches_are_all_rejected(collector: Collector, tmp_path: Path) -> None:
+    # a rejected batch's answer carries no kill switch: a producer that keeps sending bad batches must still
+    # poll for it (it never did: the poll only ran when there was nothing to send)
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("kill-rejected"))["id"]
+    seen: list[str | None] = []
+    st = Streamer(client, run_id, Spool(tmp_path / "s", 2**20), flush_interval_s=0.01, poll_interval_s=0.2,
+                  batch_max=1, queue_max=1000, on_mode_override=seen.append)
+    CollectorClient(collector.url).set_mode(run_id, "off")
+    bad = sample(0)
+    bad["layer"] = 99  # beyond num_layers: every batch is a 422
+    for _ in range(1000):  # one POST per sample: the queue never runs dry while the test watches
+        st.submit(dict(bad))
+    st.start()
+    deadline = time.monotonic() + 10
+    while "off" not in seen and time.monotonic() < deadline:
+        for _ in range(20):
+            st.submit(dict(bad))
+        time.sleep(0.005)
+    assert st._q.qsize() > 0, "the queue never ran dry"
+    st.close(timeout=0.5)
+    assert st.rejected > 0 and st.sent == 0
+    assert "off" in seen, "the kill switch reached a producer whose every batch was rejected"
+
+
 def test_spool_files_are_exact_bodies(tmp_path: Path) -> None:
     sp = Spool(tmp_path, 10_000)
     body = b"x" * 100
