@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -64,23 +65,52 @@ def parse_sampling(value: str | None) -> Sampling:
     v = (value or "all").strip().lower()
     if v in ("all", "1", "every"):
         return Sampling(1)
+    want = "'all', '1/N' (N a whole number >= 1) or a fraction in [0, 1]"
     if v.startswith("1/"):
-        n = int(v[2:])
+        try:
+            n = int(v[2:])
+        except ValueError:
+            raise ValueError(f"sampling must be {want}, got {value!r}") from None
         if n < 1:
             raise ValueError(f"sampling 1/N needs N >= 1, got {value!r}")
         return Sampling(n)
-    f = float(v)
-    if not 0.0 <= f <= 1.0:
+    try:
+        f = float(v)
+    except ValueError:
+        raise ValueError(f"sampling must be {want}, got {value!r}") from None
+    if not 0.0 <= f <= 1.0:  # (NaN fails this too)
         raise ValueError(f"sampling fraction must be in [0, 1], got {value!r}")
     return Sampling(1) if f == 1.0 else Sampling(1, f)
 
 
-def _int(env: Mapping[str, str], key: str, default: int) -> int:
-    return int(env[key]) if env.get(key) else default
+def _int(env: Mapping[str, str], key: str, default: int, minimum: int | None = None) -> int:
+    """A whole number from ``env[key]`` (unset or empty: ``default``); a bad value raises ValueError naming the
+    variable."""
+    raw = env.get(key)
+    if not raw:
+        return default
+    try:
+        v = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{key} must be a whole number, got {raw!r}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {raw!r}")
+    return v
 
 
 def _float(env: Mapping[str, str], key: str, default: float) -> float:
-    return float(env[key]) if env.get(key) else default
+    """A finite number >= 0 from ``env[key]`` (unset or empty: ``default``); a bad value raises ValueError naming
+    the variable (a NaN limit would make every comparison false: no fallback, ever)."""
+    raw = env.get(key)
+    if not raw:
+        return default
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{key} must be a number, got {raw!r}") from None
+    if not (math.isfinite(v) and v >= 0.0):
+        raise ValueError(f"{key} must be a finite number >= 0, got {raw!r}")
+    return v
 
 
 @dataclass
@@ -120,28 +150,32 @@ class HookConfig:
         mode = parse_mode(e.get("SHADOWD_MODE") or e.get("KDTREE_VERIFY"))
         bundle = e.get("SHADOWD_BUNDLE_DIR")
         spool = e.get("SHADOWD_SPOOL_DIR")
+        try:
+            sampling = parse_sampling(e.get("SHADOWD_SAMPLE"))
+        except ValueError as err:
+            raise ValueError(f"SHADOWD_SAMPLE: {err}") from None
         return cls(
             mode=mode,
-            sampling=parse_sampling(e.get("SHADOWD_SAMPLE")),
-            spot_every=max(1, _int(e, "SHADOWD_SPOT_CHECK", 100)),
-            oracle_every=max(0, _int(e, "SHADOWD_ORACLE", 0)),
-            oracle_chunk_rows=max(1, _int(e, "SHADOWD_ORACLE_CHUNK_ROWS", 64)),
+            sampling=sampling,
+            spot_every=_int(e, "SHADOWD_SPOT_CHECK", 100, minimum=1),
+            oracle_every=_int(e, "SHADOWD_ORACLE", 0, minimum=0),
+            oracle_chunk_rows=_int(e, "SHADOWD_ORACLE_CHUNK_ROWS", 64, minimum=1),
             url=e.get("SHADOWD_URL") or None,
             token=e.get("SHADOWD_TOKEN") or None,
             run_key=e.get("SHADOWD_RUN_KEY") or None,
-            rank=_int(e, "SHADOWD_RANK", _int(e, "RANK", 0)),
+            rank=_int(e, "SHADOWD_RANK", _int(e, "RANK", 0, minimum=0), minimum=0),
             spool_dir=Path(spool) if spool else Path.home() / ".shadowd" / "spool",
-            spool_max_bytes=_int(e, "SHADOWD_SPOOL_MAX_MB", 256) * 2**20,
-            queue_max=max(1, _int(e, "SHADOWD_QUEUE_MAX", 100_000)),
+            spool_max_bytes=_int(e, "SHADOWD_SPOOL_MAX_MB", 256, minimum=0) * 2**20,
+            queue_max=_int(e, "SHADOWD_QUEUE_MAX", 100_000, minimum=1),
             bundle_dir=Path(bundle) if bundle else None,
-            bundle_max=_int(e, "SHADOWD_BUNDLE_MAX", 20),
-            bundle_max_bytes=_int(e, "SHADOWD_BUNDLE_MAX_MB", 2048) * 2**20,
+            bundle_max=_int(e, "SHADOWD_BUNDLE_MAX", 20, minimum=0),
+            bundle_max_bytes=_int(e, "SHADOWD_BUNDLE_MAX_MB", 2048, minimum=0) * 2**20,
             hard_scaled_max_abs=_float(e, "SHADOWD_HARD_SCALED_MAX_ABS", 0.25),
             hard_rel_l2=_float(e, "SHADOWD_HARD_REL_L2", 0.1),
             bundle_rel_l2=_float(e, "SHADOWD_BUNDLE_REL_L2", 1.6e-2),
-            disable_after=max(1, _int(e, "SHADOWD_DISABLE_AFTER", 5)),
-            max_draft_tokens=_int(e, "SHADOWD_MAX_DRAFT_TOKENS", 2**31),
-            max_prefix_len=_int(e, "SHADOWD_MAX_PREFIX_LEN", 2**62),
+            disable_after=_int(e, "SHADOWD_DISABLE_AFTER", 5, minimum=1),
+            max_draft_tokens=_int(e, "SHADOWD_MAX_DRAFT_TOKENS", 2**31, minimum=1),
+            max_prefix_len=_int(e, "SHADOWD_MAX_PREFIX_LEN", 2**62, minimum=0),
         )
 
     def covered(self, draft_tokens: int, prefix_len: int) -> bool:

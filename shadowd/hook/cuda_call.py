@@ -68,6 +68,7 @@ import triton
 from shadowd.hook.device import DeviceState, Slot
 from shadowd.hook.diffstats import empty_stats
 from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats
+from shadowd.hook.site import out_key
 from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:
@@ -229,7 +230,8 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     host_decides, do_stats, use_cand = 1, 1, 0
     if not capturing:
         if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
-            if not rt.spot_checked(rt.step) and site.check_step != rt.step:
+            # (an output key not seen on a compared call yet — the first call — is checked)
+            if not rt.spot_checked(rt.step) and site.check_step != rt.step and out_key(args) in site.out_metas:
                 word = _flag_seen(site)
                 if word:  # raised by an earlier unchecked call: no candidate from here on
                     rt.fall_back(f"the candidate's error flag: {site.flag_text(word)}")
@@ -238,6 +240,9 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
                 if _nonfinite_seen(site):  # an unchecked call wrote a NaN / Inf: the next step is checked whole
                     site.check_step = rt.step + 1
                 out, err = site._isolated("candidate", site.candidate, *args, **kwargs)
+                if err is None:  # no tensor, or unlike the baseline's output (no values read: no synchronisation)
+                    found, ierr = site._isolated("candidate output", site.unchecked_error, out, args, b, [], True)
+                    err = ierr or found
                 if err is None:
                     if layer == site.first_layer:
                         _watch_flag(site)
@@ -258,7 +263,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     cfg = rt.config
     flag = site.flag_tensor
     control_kernel[(1,)](ds.dctrl, ds.word, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
-                         flag if flag is not None else ds.dstate, int(layer == site.first_layer),
+                         flag if flag is not None else ds.dstate, int(site.advances_step(layer)),
                          min(cfg.max_draft_tokens, 2**62), min(cfg.max_prefix_len, 2**62), host_decides, do_stats,
                          use_cand, rt.step, b.batch_size, b.draft_tokens, b.prefix_len,
                          HAS_META=meta is not None, HAS_FLAG=flag is not None, USE_TIMER=ds.use_timer,
@@ -278,6 +283,10 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         cargs, ckwargs, watched = site._protect(gargs, gkwargs, fresh, batch=True)
     else:
         cargs, ckwargs, watched = site._protect(args, kwargs, batch=capturing)
+    if not gated:  # (a gated baseline's output is not what a replay returns: the select kernel's is)
+        out_b = p.out_b = site.unaliased(out_b, watched)
+    if not capturing:
+        site.learn_output(out_b, args)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
     # under a graph the statistics kernel reads the candidate's end at its start (one node fewer); eagerly a
     # stamp kernel follows the candidate at once, as the statistics kernel's start could wait for the host

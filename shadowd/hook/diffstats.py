@@ -138,7 +138,7 @@ def finalize(raw: Any) -> dict[str, Any]:
         rel_l2 = math.sqrt(sd2 / sb2) if sb2 > 0 else (0.0 if sd2 == 0 else math.inf)
         cos_diff = sd2 / (sc2 + sb2) if sc2 + sb2 > 0 else 0.0
     return {
-        "numel": int(r[R_NUMEL]),
+        "numel": int(n_cmp),  # compared (the wire's definition): a call that compared nothing is no evidence
         "max_abs": max_abs,
         "mean_abs": mean_abs,
         "max_rel": max_rel,

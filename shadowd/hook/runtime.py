@@ -46,6 +46,8 @@ class HookRuntime:
         self.disabled_reason: str | None = None
         self.device_errors = 0
         self.step = 0
+        #: the ShadowSite whose first-layer calls advance ``step`` (the first one to make such a call)
+        self.step_site: Any = None
         self.calls = 0
         self.emitted = 0
         # compared calls whose candidate raised, raised its error word or wrote a NaN / Inf (eager calls as they

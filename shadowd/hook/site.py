@@ -16,13 +16,14 @@
   baseline (and shadowed as in validate, to gather coverage).
 
 How the candidate is kept from modifying inputs: tensor arguments up to ``clone_max_bytes``
-(q, indices, masks) are passed to the candidate as clones (under graph capture all in one graph node:
-``shadowd.hook.copies``), so it never sees the real tensors;
-larger ones, and those the site names ``shared`` (the KV cache), are shared, and their autograd
-version counter is compared before and after the candidate: a torch in-place write is detected, recorded as
-``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
+(q, indices, masks; inside list / tuple / dict arguments too) are passed to the candidate as clones (under
+graph capture all in one graph node: ``shadowd.hook.copies``), so it never sees the real tensors;
+larger ones, and those the site names ``shared`` (the KV cache), are shared. The autograd version counters
+of both are compared before and after the candidate: a torch in-place write (into a clone as well) is
+recorded as ``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
 kernel are out of reach in-process; they are excluded before deployment by the kernel's
-sanitizer runs. The baseline always runs first, on the untouched inputs.
+sanitizer runs. The baseline always runs first, on the untouched inputs, and its result is copied when it
+shares memory with a shared input (:meth:`ShadowSite.unaliased`).
 
 Every callback the site does not own — candidate, oracle, sink, bundle writer — runs inside
 :meth:`ShadowSite._isolated`, the one place that handles what they raise. On CUDA tensors the
@@ -34,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ from shadowd.hook.copies import clone_many
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "max_abs_chunked"]
+__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "max_abs_chunked", "out_key"]
 
 log = logging.getLogger("shadowd.hook")
 
@@ -90,10 +91,61 @@ def max_abs_chunked(a: torch.Tensor, b: torch.Tensor, rows: int) -> float:
     return out
 
 
+#: how deep the hook looks into list / tuple / dict arguments for tensors (to protect them from the candidate)
+NEST_MAX = 4
+
+
+def _leaves(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in an argument: itself, or inside (nested) lists, tuples and dicts."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif depth < NEST_MAX and isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _leaves(v, depth + 1)
+    elif depth < NEST_MAX and isinstance(x, dict):
+        for v in x.values():
+            yield from _leaves(v, depth + 1)
+
+
+def _rebuilt(x: Any, copies: dict[int, torch.Tensor], depth: int = 0) -> Any:
+    """``x`` with every tensor that has a copy in ``copies`` (by id) replaced by it; containers holding none are
+    returned as they are (the same object)."""
+    if isinstance(x, torch.Tensor):
+        return copies.get(id(x), x)
+    if depth >= NEST_MAX or not isinstance(x, (list, tuple, dict)):
+        return x
+    if isinstance(x, dict):
+        vals = {k: _rebuilt(v, copies, depth + 1) for k, v in x.items()}
+        return x if all(vals[k] is v for k, v in x.items()) else vals
+    items = [_rebuilt(v, copies, depth + 1) for v in x]
+    if all(a is b for a, b in zip(items, x, strict=True)):
+        return x
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*items)
+    return tuple(items) if isinstance(x, tuple) else items
+
+
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    found = [a for a in args if isinstance(a, torch.Tensor)]
-    found += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    return found
+    return [t for a in (*args, *kwargs.values()) for t in _leaves(a)]
+
+
+def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
+    return next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def out_key(args: tuple[Any, ...]) -> Any:
+    """What the expected output's dtype, device and trailing shape are keyed by: the first tensor argument's
+    trailing shape and dtype (SGLang's verify: q's heads and width)."""
+    t0 = _first_tensor(args)
+    return None if t0 is None else (tuple(t0.shape[1:]), t0.dtype)
+
+
+def _out_meta(out: torch.Tensor, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What an output must look like for the same key (:func:`out_key`): dtype, device, rank, trailing shape and
+    whether its rows follow the first tensor argument's."""
+    t0 = _first_tensor(args)
+    follows = bool(t0 is not None and out.dim() and t0.dim() and out.shape[0] == t0.shape[0])
+    return out.dtype, out.device, out.dim(), tuple(out.shape[1:]), follows
 
 
 class ShadowSite:
@@ -165,6 +217,9 @@ class ShadowSite:
         #: instead): a cache shared by design, which a clone per call would copy through memory and L2
         self.shared = frozenset(shared)
         self.refs = refs or {}
+        #: on mode: what the baseline's output looked like per :func:`out_key` (dtype, device, trailing shape),
+        #: learnt on compared calls; an unchecked call's output must match it, and a key not seen yet is checked
+        self.out_metas: dict[Any, tuple[Any, ...]] = {}
         self.consecutive_errors = 0
         self.oracle_calls = 0
         self.errors: dict[str, int] = {}
@@ -174,7 +229,9 @@ class ShadowSite:
     def _isolated(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
         try:
             return fn(*args, **kwargs), None
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit, GeneratorExit too: foreign code never ends the serving process
             err = f"exception:{type(e).__name__}"
             self.errors[what] = self.errors.get(what, 0) + 1
             if self.errors[what] <= 3:
@@ -188,7 +245,7 @@ class ShadowSite:
         if code == 0:
             return self.baseline(*args, **kwargs)
         rt.calls += 1
-        if layer == self.first_layer:
+        if self.advances_step(layer):
             rt.step += 1
         b = bucket or Bucket()
         if any(t.is_cuda for t in _tensors(args, kwargs)[:1]):
@@ -198,17 +255,18 @@ class ShadowSite:
         step = rt.step
         blocked = rt.disabled or rt.fallback
         if code == 2 and not blocked and rt.config.covered(b.draft_tokens, b.prefix_len):
-            if not rt.spot_checked(step):
+            if not rt.spot_checked(step) and out_key(args) in self.out_metas:
+                versions = [(t, t._version) for t in _tensors(args, kwargs)]
                 out, err = self._isolated("candidate", self.candidate, *args, **kwargs)
-                if err is None and (not isinstance(out, torch.Tensor) or not bool(torch.isfinite(out).all())):
-                    # between spot checks the baseline is not run, but a non-finite (or non-tensor)
-                    # output is recognisable on its own: never serve it (CPU path, no device sync)
-                    err = "nonfinite" if isinstance(out, torch.Tensor) else "type"
                 if err is None:
-                    word = self._flag_word(out.device)  # so is a raised error word (reading it costs nothing here)
-                    err = self.flag_error(word) if word else None
+                    # between spot checks the baseline is not run, but much of what is wrong with an output is
+                    # recognisable on its own: never serve it (CPU path, no device sync)
+                    found, ierr = self._isolated("candidate output", self.unchecked_error, out, args, b, versions)
+                    err = ierr or found
                 if err is None:
                     return out
+                if err == "input_modified":  # (the baseline below then reads what the candidate wrote)
+                    rt.disable("candidate modified its inputs")
                 rt.fall_back(f"candidate {err}")
                 return self.baseline(*args, **kwargs)
             return self._shadow(args, kwargs, layer, b, "on")
@@ -216,25 +274,81 @@ class ShadowSite:
             return self.baseline(*args, **kwargs)
         return self._shadow(args, kwargs, layer, b, "validate")
 
+    def advances_step(self, layer: int) -> bool:
+        """Whether this call starts a new verify step: the first layer's call of the runtime's *first* site (a
+        second site sharing the runtime — another op of the same layers — must not advance it again, or sampling
+        and spot checks would skip whole site / layer pairs)."""
+        if layer != self.first_layer:
+            return False
+        owner = self.rt.step_site
+        if owner is None:
+            self.rt.step_site = owner = self
+        return owner is self
+
+    def unchecked_error(self, out: Any, args: tuple[Any, ...], b: Bucket,
+                        versions: list[tuple[torch.Tensor, int]], device: bool = False) -> str | None:
+        """On mode, a call served without the baseline: what is wrong with the candidate's run that shows without
+        one — an input it wrote in place, an output that is no tensor or unlike the baseline's for the same key
+        (dtype, device, trailing shape, rows: :attr:`out_metas`), a NaN / Inf in a real row, a raised error word.
+        ``device``: the CUDA path, which reads no values here (that would synchronise; it has its own words)."""
+        if any(t._version != v for t, v in versions):
+            return "input_modified"
+        if not isinstance(out, torch.Tensor):
+            return "type"
+        want = self.out_metas.get(out_key(args))
+        got = _out_meta(out, args)
+        if want is not None and got != want:
+            return "dtype" if got[0] != want[0] else "shape"
+        if device:
+            return None
+        valid = b.valid_rows if isinstance(b.valid_rows, int) and out.dim() else None
+        if not bool(torch.isfinite(out if valid is None else out[:valid]).all()):  # (padded rows: not served)
+            return "nonfinite"
+        word = self._flag_word(out.device)  # reading the word costs nothing here
+        return self.flag_error(word) if word else None
+
+    def learn_output(self, out_b: Any, args: tuple[Any, ...]) -> None:
+        """Remember what the baseline's output looks like for this call's key (bounded: 64 keys)."""
+        if isinstance(out_b, torch.Tensor) and len(self.out_metas) < 64:
+            self.out_metas[out_key(args)] = _out_meta(out_b, args)
+
+    @staticmethod
+    def unaliased(out_b: Any, watched: list[tuple[torch.Tensor, int]]) -> Any:
+        """The baseline's result, copied when it shares memory with an input the candidate is handed itself (a
+        shared or large one: a baseline writing into a buffer it was given), so that what the candidate then
+        writes there never becomes the result returned."""
+        if isinstance(out_b, torch.Tensor) and watched:
+            ptr = out_b.untyped_storage().data_ptr()
+            if any(t.untyped_storage().data_ptr() == ptr for t, _ in watched):
+                return out_b.clone()
+        return out_b
+
     def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any], private: set[int] | None = None,
                  batch: bool = False) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[torch.Tensor, int]]]:
         # ``private``: ids of tensors that are already the candidate's own copies (a candidate gate's);
         # ``batch``: copy them with clone_many — under graph capture, where launches cost replay time; eagerly the
         # host's time is what a call waits for, and a clone each costs it less than clone_many's views
+        # Tensors inside list / tuple / dict arguments are protected like top-level ones (``shared`` names the
+        # top-level argument holding them); a tensor passed twice gets one copy. The copies are watched as well:
+        # a candidate that writes into an input it was given (even a copy) is one that, served in on mode, would
+        # corrupt the caller's real inputs.
         watched: list[tuple[torch.Tensor, int]] = []
-        cloned: list[tuple[int | str, torch.Tensor]] = []
-        items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-        for key, x in items:
-            if not isinstance(x, torch.Tensor) or (private and id(x) in private):
-                continue
-            if key not in self.shared and x.numel() * x.element_size() <= self.clone_max_bytes:
-                cloned.append((key, x))
-            else:
-                watched.append((x, x._version))
-        xs = [x for _, x in cloned]
-        copies = dict(zip([k for k, _ in cloned], clone_many(xs) if batch else [x.detach().clone() for x in xs],
-                          strict=True))
-        return (tuple(copies.get(i, a) for i, a in enumerate(args)), {k: copies.get(k, v) for k, v in kwargs.items()},
+        cloned: dict[int, torch.Tensor] = {}
+        seen: set[int] = set()
+        for key, arg in [*enumerate(args), *kwargs.items()]:
+            for x in _leaves(arg):
+                if id(x) in seen or (private and id(x) in private):
+                    continue
+                seen.add(id(x))
+                if key not in self.shared and x.numel() * x.element_size() <= self.clone_max_bytes:
+                    cloned[id(x)] = x
+                else:
+                    watched.append((x, x._version))
+        xs = list(cloned.values())
+        made = clone_many(xs) if batch else [x.detach().clone() for x in xs]
+        watched += [(c, c._version) for c in made]
+        copies = dict(zip(cloned, made, strict=True))
+        return (tuple(_rebuilt(a, copies) for a in args), {k: _rebuilt(v, copies) for k, v in kwargs.items()},
                 watched)
 
     def _candidate_error(self, err: str | None, out_c: Any, out_b: Any,
@@ -304,6 +418,8 @@ class ShadowSite:
         # _shadow after the baseline: the candidate on protected inputs, the statistics, the sample, the result
         rt = self.rt
         cargs, ckwargs, watched = self._protect(args, kwargs)
+        out_b = self.unaliased(out_b, watched)
+        self.learn_output(out_b, args)
         t2 = time.perf_counter_ns()
         out_c, err = self._isolated("candidate", self.candidate, *cargs, **ckwargs)
         t3 = time.perf_counter_ns()

@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from shadowd.hook.config import parse_mode
+from shadowd.hook.config import HookConfig, parse_mode
 
 __all__ = ["BACKEND_INIT", "State", "register", "state"]
 
@@ -77,6 +77,12 @@ def register(env: Mapping[str, str] | None = None) -> None:
     except ValueError as exc:
         _refuse(f"shadowd: invalid SHADOWD_MODE/KDTREE_VERIFY: {exc}")
         return
+    if mode != "off":
+        try:  # every other setting too, at start, named (not from the first worker's backend construction)
+            HookConfig.from_env(e)
+        except ValueError as exc:
+            _refuse(f"shadowd: invalid configuration: {exc}")
+            return
     _STATE.mode = mode
     if mode == "off":
         return

@@ -39,6 +39,23 @@ def test_config_from_env() -> None:
             parse_mode(vague)
 
 
+@pytest.mark.parametrize("key,value,says", [
+    ("SHADOWD_SAMPLE", "abc", "SHADOWD_SAMPLE: sampling must be"),
+    ("SHADOWD_SAMPLE", "1/2.5", "SHADOWD_SAMPLE: sampling must be"),
+    ("SHADOWD_SAMPLE", "nan", "SHADOWD_SAMPLE: sampling fraction must be in"),
+    ("SHADOWD_SPOT_CHECK", "0", "SHADOWD_SPOT_CHECK must be >= 1"),
+    ("SHADOWD_SPOT_CHECK", "1/100", "SHADOWD_SPOT_CHECK must be a whole number"),
+    ("SHADOWD_ORACLE", "-3", "SHADOWD_ORACLE must be >= 0"),
+    ("SHADOWD_HARD_REL_L2", "nan", "SHADOWD_HARD_REL_L2 must be a finite number"),
+    ("SHADOWD_HARD_SCALED_MAX_ABS", "-1", "SHADOWD_HARD_SCALED_MAX_ABS must be a finite number"),
+    ("SHADOWD_DISABLE_AFTER", "x", "SHADOWD_DISABLE_AFTER must be a whole number"),
+])
+def test_bad_settings_are_refused_naming_the_variable(key: str, value: str, says: str) -> None:
+    # (a NaN hard limit made every comparison false: on mode would never fall back; 0 spot checks became 1)
+    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        HookConfig.from_env({"SHADOWD_MODE": "on", key: value})
+
+
 def test_off_runs_only_the_baseline() -> None:
     rt, sink = make_runtime("off")
     calls = []
@@ -87,7 +104,7 @@ def test_validate_nan_never_reaches_the_caller() -> None:
 
 
 def test_candidate_cannot_modify_inputs() -> None:
-    rt, _sink = make_runtime("validate")
+    rt, sink = make_runtime("validate")
 
     def scribbler(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x.mul_(2)  # small input: the candidate only sees a clone
@@ -99,6 +116,8 @@ def test_candidate_cannot_modify_inputs() -> None:
     x0, w0 = x.clone(), w.clone()
     site(x, w, layer=0)
     assert torch.equal(x, x0) and torch.equal(w, w0)
+    # and it is found out: served in on mode, it would write into the caller's real inputs
+    assert sink[0]["error"] == "input_modified" and rt.disabled
 
 
 def test_large_shared_input_modification_is_detected_and_disables() -> None:
@@ -171,7 +190,8 @@ def test_on_mode_between_spot_checks_a_raised_error_flag_is_never_served() -> No
     outs = ["cand" if torch.equal(o, cand_fn(x, w)) else "base" for o in (site(x, w, layer=0) for _ in range(4))]
     assert outs == ["cand", "base", "base", "base"] and len(calls) == 2, (outs, len(calls))
     assert rt.fallback and rt.disabled and "bits 4" in rt.disabled_reason, (rt.fallback_reason, rt.disabled_reason)
-    assert rt.producer_stats()["device_errors"] == 1 and sink == []
+    # (the one sample: the first call, checked as every call whose output shape the site has not yet seen)
+    assert rt.producer_stats()["device_errors"] == 1 and [s["error"] for s in sink] == [None]
 
 
 def test_a_failing_flag_description_falls_back_to_hex() -> None:
@@ -225,7 +245,8 @@ def test_on_mode_returns_candidate_and_spot_checks() -> None:
     x, w = inputs()
     outs = [site(x, w, layer=0) for _ in range(8)]
     assert all(torch.equal(o, cand_fn(x, w)) for o in outs)
-    assert [s["step"] for s in sink] == [4, 8] and all(s["mode"] == "on" for s in sink)
+    # step 1: the site had not seen the output's shape yet (a first call is always checked); then 1 in 4
+    assert [s["step"] for s in sink] == [1, 4, 8] and all(s["mode"] == "on" for s in sink)
     assert not rt.fallback
 
 

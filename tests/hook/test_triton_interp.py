@@ -310,7 +310,7 @@ ds13 = rt13.device(); ds13.use_timer = False
 s13 = ShadowSite("t13", base, cand_flagging2, runtime=rt13, candidate_flag=lambda d: FLAG2)
 res13, errs13 = [], []
 for i in range(4):
-    CAPTURE[0] = i > 0  # the first call eager (unchecked: the candidate alone), then the kernels decide
+    CAPTURE[0] = i > 0  # the first call eager (checked: a first output shape), then the kernels decide
     o = s13(x, w, layer=0, bucket=bk)
     res13.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
     errs13 += [r["error"] for r in ds13.poll()]
@@ -392,6 +392,7 @@ def nan_run(row, baseline=base_sized, calls=6):
     CAPTURE[0] = False
     return {"outputs": res16, "sizes": seen[seen16:], "fallback": rt16.fallback,
             "records": [[r["cand_nonfinite"], r["nan_base"]] for r in recs16]}
+# (in each run below the first, eager call is checked: the site has not seen its output's shape yet)
 out["nan_gated"] = nan_run(4)
 # a NaN the baseline makes too (the model's own): the triggered spot check finds no mismatch, the candidate stays, and
 # the checked call's NaN (compared, the baseline's too) triggers nothing: one check per unchecked NaN, not every call
@@ -479,26 +480,30 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     fo = r["flag_on"]
     assert fo["outputs"] == ["cand", "cand", "base", "base"], fo
     assert fo["fallback"] and "error flag" in fo["reason"] and fo["disabled"], fo
-    assert fo["errors"] == ["candidate_flag:0x1"], "the hard failure is published (step 2 was no spot check on device)"
+    # the first call is checked (the site has not seen its output's shape yet: eager, the host decides), step 2 is
+    # a spot check on the device, and the hard failure of step 3 (its word raised) is published
+    assert fo["errors"] == [None, None, "candidate_flag:0x1"], fo
     fg = r["flag_gated"]
     assert fg["outputs"] == ["cand", "cand", "cand", "base", "base", "base"], fg
-    assert fg["sizes"] == [0, 0, 5, 5, 5], "the gated baseline works from the replay after the raised word on"
-    assert fg["fallback"] and "error flag" in fg["reason"] and fg["errors"] == ["candidate_flag:0x2"], fg
+    # (the first, eager call is checked: a full baseline run; then the gated baseline idles until the raised word)
+    assert fg["sizes"] == [5, 0, 0, 5, 5, 5], "the gated baseline works from the replay after the raised word on"
+    assert fg["fallback"] and "error flag" in fg["reason"] and fg["errors"] == [None, "candidate_flag:0x2"], fg
     fe = r["flag_eager_on"]
     assert fe["outputs"] == ["cand", "cand", "cand", "base", "base"] and fe["cand_calls"] == 3, fe
     assert fe["fallback"] and "error flag" in fe["reason"] and fe["disabled"] and fe["device_errors"] == 1, fe
     ng = r["nan_gated"]  # the third call's NaN is served (unchecked); the fourth is a spot check that catches it
     assert ng["outputs"] == ["cand", "cand", "nan", "base", "base", "base"], ng
-    assert ng["sizes"] == [0, 0, 5, 5, 5] and ng["fallback"] and ng["records"] == [[1, 0]], ng
+    # (the first, eager call: checked, a full baseline run and a clean record)
+    assert ng["sizes"] == [5, 0, 0, 5, 5, 5] and ng["fallback"] and ng["records"] == [[0, 0], [1, 0]], ng
     nl = r["nan_legit"]  # NaN from call 3 on, on both sides: checks at calls 4 and 6 (each after an unchecked NaN)
     assert nl["outputs"] == ["cand", "cand", "nan", "nan", "nan", "nan", "nan"] and not nl["fallback"], nl
-    assert nl["sizes"] == [0, 0, 5, 0, 5, 0] and nl["records"] == [[0, 1], [0, 1]], nl
+    assert nl["sizes"] == [5, 0, 0, 5, 0, 5, 0] and nl["records"] == [[0, 0], [0, 1], [0, 1]], nl
     npad = r["nan_padded"]
-    assert npad["outputs"] == ["cand"] * 6 and npad["sizes"] == [0] * 5, npad
-    assert not npad["fallback"] and npad["records"] == [], npad
+    assert npad["outputs"] == ["cand"] * 6 and npad["sizes"] == [5] + [0] * 5, npad
+    assert not npad["fallback"] and npad["records"] == [[0, 0]], npad
     nw = r["nan_word_eager"]  # steps 3 and 4 served the NaN (4 saw the word); step 5, checked whole, caught it
     assert nw["outputs"] == ["cand", "cand", "nan", "nan", "base", "base"], nw
-    assert nw["fallback"] and not nw["disabled"] and nw["records"] == [[1, None]], nw
+    assert nw["fallback"] and not nw["disabled"] and nw["records"] == [[0, None], [1, None]], nw
     assert nw["word"] == [0, 1], "the word the checked call raised again stays for the next eager step"
     assert r["slot_eager"] == {"made": True, "unchecked": True, "l0": True}, r["slot_eager"]
     fc = r["first_call_captured"]

@@ -205,7 +205,9 @@ def test_on_mode_serves_candidate_and_writes_cache_as_sglang(sgl: Any, fresh_plu
                                 dtype=torch.float32)
         assert torch.equal(o, cand.view(8, 1024))  # the candidate's result, SGLang's layout
         assert (o - e).abs().max() < 1e-4
-    assert samples == []  # step 1 is not a spot-check step (1 in 1000)
+    # step 1 is no spot-check step (1 in 1000); only the site's first call is checked (the first time it sees the
+    # output's shape: the later layers' outputs have the same one)
+    assert [(s["layer"], s["error"]) for s in samples] == [(0, None)]
 
 
 def test_on_mode_fills_sglang_output_buffer(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch) -> None:

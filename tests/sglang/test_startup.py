@@ -35,6 +35,18 @@ def test_untested_sglang_refuses_backend_start(sgl: Any, fresh_plugins: Any, mon
         sgl.TritonAttnBackend(SimpleNamespace(is_draft_worker=False))
 
 
+def test_a_bad_setting_refuses_backend_start_naming_it(sgl: Any, fresh_plugins: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import shadowd.sglang.plugin as plugin
+
+    monkeypatch.setenv("SHADOWD_MODE", "on")
+    monkeypatch.setenv("SHADOWD_HARD_REL_L2", "nan")  # NaN limits: no comparison would ever fall back
+    fresh_plugins.load_plugins()
+    assert plugin.state().refusal and "SHADOWD_HARD_REL_L2" in plugin.state().refusal
+    with pytest.raises(RuntimeError, match="SHADOWD_HARD_REL_L2 must be a finite number"):
+        sgl.TritonAttnBackend(SimpleNamespace(is_draft_worker=False))
+
+
 def test_installed_sglang_is_tested(sgl: Any) -> None:
     assert check_version(env={}).startswith("0.5.23")
 
