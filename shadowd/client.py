@@ -27,7 +27,16 @@ class CollectorError(Exception):
 
 
 class CollectorUnavailable(CollectorError):
-    """The collector could not be reached or answered 5xx: try again later."""
+    """The collector could not be reached, answered 5xx, or asked to be called later (408, 429): try again later.
+    ``status`` is the HTTP status (None when there was no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+#: answers that say "later", not "never" (a proxy's timeout, rate limiting)
+TRANSIENT_4XX = (408, 429)
 
 
 class BatchRejected(CollectorError):
@@ -77,8 +86,9 @@ class CollectorClient:
             resp = self._http.request(method, path, **kw)
         except (httpx.TransportError, httpx.TimeoutException) as e:
             raise CollectorUnavailable(f"{method} {path}: {type(e).__name__}: {e}") from e
-        if resp.status_code >= 500 and not (pass_503 and resp.status_code == 503):
-            raise CollectorUnavailable(f"{method} {path}: HTTP {resp.status_code}")
+        if ((resp.status_code >= 500 or resp.status_code in TRANSIENT_4XX)
+                and not (pass_503 and resp.status_code == 503)):
+            raise CollectorUnavailable(f"{method} {path}: HTTP {resp.status_code}", resp.status_code)
         return resp
 
     def _json(self, method: str, path: str, ok: tuple[int, ...] = (200, 201), **kw: Any) -> Any:

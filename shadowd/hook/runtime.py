@@ -166,7 +166,8 @@ class HookRuntime:
         answer = client.register_run(body)
         self.run_id = int(answer["id"])
         self.set_override(answer.get("mode_override"))
-        streamer = Streamer(client, self.run_id, Spool(cfg.spool_dir, cfg.spool_max_bytes), queue_max=cfg.queue_max,
+        spool = Spool(cfg.spool_dir / f"rank{cfg.rank}", cfg.spool_max_bytes)  # (a directory per rank)
+        streamer = Streamer(client, self.run_id, spool, queue_max=cfg.queue_max,
                             batch_max=cfg.batch_max, flush_interval_s=cfg.flush_interval_s,
                             poll_interval_s=cfg.poll_interval_s, on_mode_override=self.set_override,
                             stats=self.producer_stats, notes=self.producer_notes)

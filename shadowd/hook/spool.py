@@ -1,11 +1,13 @@
 """A bounded on-disk spool of encoded sample batches, replayed oldest first.
 
-Each batch is one file ``<run_id>-<seq:020d>-<producer>.mpk`` holding the exact msgpack body
+Each batch is one file ``<run_id>-<seq:020d>-<samples>-<producer>.mpk`` holding the exact msgpack body
 that would have been posted (producer and sequence number inside), so a replay is
-byte-identical and the collector's idempotency (producer, seq) makes a repeated post harmless.
-Files are written to a temporary name and renamed, so a crash never leaves half a batch.
-When adding a batch would exceed ``max_bytes`` the batch is refused (the caller counts the
-drop); nothing already spooled is evicted, so what is replayed is an in-order prefix.
+byte-identical and the collector's idempotency (producer, seq) makes a repeated post harmless; the
+sample count in the name lets a batch that can no longer be delivered be counted as dropped.
+Files are written to a temporary name, flushed to disk and renamed, so a crash (or a power loss) never
+leaves half a batch. When adding a batch would exceed ``max_bytes`` the batch is refused (the caller counts
+the drop); nothing already spooled is evicted, so what is replayed is an in-order prefix.
+A batch spooled before its run was registered carries run id 0 (``PENDING_RUN``).
 """
 
 from __future__ import annotations
@@ -14,19 +16,27 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["Spool", "SpoolEntry"]
+__all__ = ["PENDING_RUN", "Spool", "SpoolEntry"]
+
+#: the run id of a batch spooled before its run was registered
+PENDING_RUN = 0
 
 
 class SpoolEntry:
     """One spooled batch."""
 
-    __slots__ = ("path", "producer", "run_id", "seq", "size")
+    __slots__ = ("path", "producer", "run_id", "samples", "seq", "size")
 
     def __init__(self, path: Path) -> None:
-        run, seq, producer = path.stem.split("-", 2)
+        parts = path.stem.split("-", 3)
+        if len(parts) == 4 and parts[2].isdigit():
+            run, seq, samples, producer = parts
+        else:  # the name of earlier versions: <run_id>-<seq>-<producer>
+            (run, seq, producer), samples = path.stem.split("-", 2), "0"
         self.path = path
         self.run_id = int(run)
         self.seq = int(seq)
+        self.samples = int(samples)
         self.producer = producer
         self.size = path.stat().st_size
 
@@ -63,19 +73,25 @@ class Spool:
         self._load()
         return self._bytes
 
-    def push(self, run_id: int, producer: str, seq: int, body: bytes) -> bool:
-        """Store a batch; False (nothing written) when the bound would be exceeded or the disk fails."""
+    def push(self, run_id: int, producer: str, seq: int, body: bytes, samples: int = 0) -> bool:
+        """Store a batch of ``samples`` samples; False (nothing written) when the bound would be exceeded or the
+        disk fails."""
         entries = self._load()
         if self._bytes + len(body) > self.max_bytes:
             return False
-        name = f"{run_id}-{seq:020d}-{producer}.mpk"
+        name = f"{run_id}-{seq:020d}-{samples}-{producer}.mpk"
+        tmp = self.root / (name + ".tmp")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / (name + ".tmp")
-            tmp.write_bytes(body)
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.root / name)
             entry = SpoolEntry(self.root / name)
         except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             return False
         entries.append(entry)
         self._bytes += entry.size

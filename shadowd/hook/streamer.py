@@ -8,13 +8,22 @@
   column packed (little-endian int64 / float64, ``hist`` n × HIST_BINS int64: one msgpack bin
   each, which the collector reads with one ``numpy.frombuffer``), and posts them as msgpack
   through :class:`shadowd.client.CollectorClient`.
-* Collector down, slow or 5xx → the batch goes to the bounded on-disk :class:`Spool`;
-  while the spool is non-empty new batches queue behind it, so delivery stays in order;
-  the spool is replayed oldest first once the collector answers (with backoff meanwhile).
+* Collector down, slow, 5xx, 408 or 429 → the batch goes to the bounded on-disk :class:`Spool`;
+  while the spool is non-empty new batches queue behind it, so delivery stays in order; while a batch can
+  only be spooled the thread waits up to ``flush_interval_s`` for a full one (an outage spools few large
+  batches). The spool is replayed oldest first once the collector answers (with backoff meanwhile),
+  ``REPLAY_ROUND`` batches per round of the loop, the queue served between rounds, so a long outage's replay
+  does not overflow the queue. A spooled batch of an earlier run (a restarted producer) goes to that run; one
+  that can no longer be read (another producer sharing the directory delivered it) is skipped.
   A batch the spool cannot take is dropped and its samples counted in ``dropped``, which
   every later batch reports in ``producer_stats``.
 * A 4xx answer (bad batch, conflict, unknown run, too big, auth) is logged and the batch
-  dropped and counted in ``rejected``: it is never retried.
+  dropped and counted in ``rejected``: it is never retried. So is a batch answered 500 ``BUG_TRIES`` times in
+  a row (the collector failing on it: a 503, the database unavailable, is retried for as long as it lasts),
+  which would otherwise hold every later batch behind it.
+* :meth:`Streamer.close` (at exit) spools what a collector that does not answer still holds — the batch in
+  flight and the queue — for the next start to replay; before its run is registered (``PENDING_RUN``) the
+  streamer spools everything and sends it once :attr:`Streamer.run_id` is set.
 * Every accepted batch's answer carries the run's ``mode_override`` (the kill switch); when no
   answer has come for ``poll_interval_s`` (nothing to send, or every batch rejected) the thread
   polls ``GET /v1/runs/{id}``. Changes go to ``on_mode_override``.
@@ -32,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
-from shadowd.hook.spool import Spool
+from shadowd.hook.spool import PENDING_RUN, Spool
 from shadowd.wire import COLUMNS, PRODUCER_NOTE_MAX, PRODUCER_NOTES, encode_msgpack, pack_column, pack_hist
 
 __all__ = ["Streamer", "build_batch"]
@@ -40,6 +49,10 @@ __all__ = ["Streamer", "build_batch"]
 log = logging.getLogger("shadowd.hook")
 
 _FLOAT_COLS = {c.name for c in COLUMNS if c.kind == "float"}
+#: spooled batches replayed per round of the thread's loop (the queue is served between rounds)
+REPLAY_ROUND = 16
+#: answers of 500 to one batch (a collector failing on it, not an outage: that is 503) before it is dropped
+BUG_TRIES = 8
 
 
 def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
@@ -77,7 +90,10 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
 
 
 class Streamer:
-    """Streams samples of one run (``run_id``) to the collector behind ``client``."""
+    """Streams samples of one run (``run_id``) to the collector behind ``client``.
+
+    ``run_id`` may be ``PENDING_RUN`` (0) while the run is being registered: batches are then spooled, and sent
+    to the run once :attr:`run_id` is set."""
 
     def __init__(self, client: CollectorClient, run_id: int, spool: Spool, *, queue_max: int = 100_000,
                  batch_max: int = 4096, flush_interval_s: float = 0.25, poll_interval_s: float = 2.0,
@@ -98,19 +114,30 @@ class Streamer:
         self.notes = notes
         self.pollers: list[Callable[[], list[dict[str, Any]]]] = []
         self.seq = 0
-        self.dropped = 0  # samples: queue full, or spool bound hit
-        self.rejected = 0  # samples in batches the collector refused (4xx)
+        # samples dropped: the queue full (the serving thread counts), the spool bound hit or a batch that can
+        # no longer be delivered (the streamer's thread counts) — two counters, one writer each
+        self.queue_dropped = 0
+        self.spool_dropped = 0
+        self.rejected = 0  # samples in batches the collector refused (4xx), or that kept failing it (500)
         self.sent = 0  # samples acknowledged by the collector
         self.last_error: str | None = None
         self._q: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_max)
         self._stop = threading.Event()
         self._idle = threading.Event()
+        self._lock = threading.Lock()  # sequence numbers and spool writes: the thread, and close() after it
         self._retry_at = 0.0
         self._backoff = 0.5
         self._last_contact = 0.0
+        self._bug_tries = 0  # consecutive 500 answers to the batch at the head of the line
+        self._inflight: tuple[int, bytes, int] | None = None  # (seq, body, samples) being posted directly
         self._accepted = 0  # samples put on the queue (serving thread)
         self._done = 0  # samples taken off it and shipped, spooled or dropped (streamer thread)
         self._thread = threading.Thread(target=self._run, name="shadowd-streamer", daemon=True)
+
+    @property
+    def dropped(self) -> int:
+        """Samples lost, counted: the queue full, the spool bound hit, a spooled batch that could not be read."""
+        return self.queue_dropped + self.spool_dropped
 
     # ---- the serving thread's side -------------------------------------------------------------
     def submit(self, sample: dict[str, Any]) -> bool:
@@ -120,7 +147,7 @@ class Streamer:
             self._accepted += 1
             return True
         except queue.Full:
-            self.dropped += 1
+            self.queue_dropped += 1
             return False
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -129,10 +156,13 @@ class Streamer:
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        """Flush what can be flushed within ``timeout``, then stop the thread."""
+        """Flush what can be flushed within ``timeout``, stop the thread, and spool what is left — the batch still
+        being posted (a collector that never answers) and the queue — so that the next start replays it."""
         self.flush(timeout)
         self._stop.set()
-        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout)
+        self._spool_leftovers()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait (not on the serving path!) until queue and spool are empty; True when they are."""
@@ -141,8 +171,33 @@ class Streamer:
             self._idle.clear()
             if self._done >= self._accepted and self.spool.depth() == 0:
                 return True
+            if not self._thread.is_alive():
+                return False
             self._idle.wait(0.05)
         return False
+
+    def _spool_leftovers(self) -> None:
+        with self._lock:
+            inflight, self._inflight = self._inflight, None
+            if inflight is not None and self._thread.is_alive():  # (a post may still land: replays are idempotent)
+                seq, body, n = inflight
+                if not self.spool.push(self.run_id, self.producer, seq, body, n):
+                    self.spool_dropped += n
+            samples: list[dict[str, Any]] = []
+            while True:
+                try:
+                    samples.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            for i in range(0, len(samples), self.batch_max):
+                part = samples[i:i + self.batch_max]
+                seq = self._next_seq()
+                if not self.spool.push(self.run_id, self.producer, seq, self._encode(seq, part), len(part)):
+                    self.spool_dropped += len(part)
+            self._done += len(samples)
+        if samples or inflight is not None:
+            log.warning("shadowd: streamer closed with %d queued samples%s: spooled for the next start", len(samples),
+                        " and a batch in flight" if inflight is not None else "")
 
     # ---- the background thread -------------------------------------------------------------------
     def producer_stats(self) -> dict[str, int]:
@@ -151,8 +206,13 @@ class Streamer:
         out["dropped"] = self.dropped
         return out
 
+    def _can_post(self) -> bool:
+        return self.run_id != PENDING_RUN and time.monotonic() >= self._retry_at
+
     def _take(self) -> tuple[list[dict[str, Any]], int]:
-        """Samples for the next batch (pollers first, then the queue) and how many came off the queue."""
+        """Samples for the next batch (pollers first, then the queue) and how many came off the queue. While the
+        batch can only be spooled (collector down, run not registered), it waits up to ``flush_interval_s`` for a
+        full batch, so an outage spools few large batches, not many small ones."""
         out: list[dict[str, Any]] = []
         for poll in self.pollers:
             try:
@@ -164,6 +224,10 @@ class Streamer:
             out.append(self._q.get(timeout=self.flush_interval_s if not out else 0.001))
         except queue.Empty:
             return out, 0
+        if not self._can_post():
+            deadline = time.monotonic() + self.flush_interval_s
+            while self._q.qsize() < self.batch_max and time.monotonic() < deadline and not self._stop.is_set():
+                time.sleep(0.01)
         while len(out) < self.batch_max + polled:
             try:
                 out.append(self._q.get_nowait())
@@ -171,20 +235,30 @@ class Streamer:
                 break
         return out, len(out) - polled
 
-    def _answer(self, body: dict[str, Any]) -> None:
+    def _answer(self, body: dict[str, Any], run_id: int) -> None:
         self._last_contact = time.monotonic()
-        if self.on_mode_override is not None and "mode_override" in body:
+        # (an earlier run's leftovers are answered with that run's kill switch: not this process's)
+        if run_id == self.run_id and self.on_mode_override is not None and "mode_override" in body:
             self.on_mode_override(body["mode_override"])
 
-    def _post(self, body: bytes, n: int) -> bool | None:
-        """True delivered, False rejected (dropped), None unavailable."""
+    def _post(self, run_id: int, body: bytes, n: int) -> bool | None:
+        """True delivered, False dropped (rejected, or failing the collector again and again), None unavailable."""
         try:
-            self._answer(self.client.post_batch(self.run_id, body))
+            self._answer(self.client.post_batch(run_id, body), run_id)
             self.sent += n
             self._backoff = 0.5
+            self._bug_tries = 0
             return True
         except CollectorUnavailable as e:
             self.last_error = str(e)
+            if e.status == 500:  # the collector failed on this batch: not an outage (503), but maybe a bug
+                self._bug_tries += 1
+                if self._bug_tries >= BUG_TRIES:
+                    self._bug_tries = 0
+                    self.rejected += n
+                    log.error("shadowd: the collector failed %d times on a batch of %d samples (%s): dropped",
+                              BUG_TRIES, n, e)
+                    return False
             self._retry_at = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, 10.0)
             return None
@@ -195,30 +269,62 @@ class Streamer:
             return False
 
     def _replay(self) -> None:
-        while (entry := self.spool.peek()) is not None and time.monotonic() >= self._retry_at:
-            if entry.run_id != self.run_id:
-                self.spool.pop(entry)  # another run's leftovers: not ours to deliver
+        # at most REPLAY_ROUND batches per round: the queue is served in between (its samples spooled behind them)
+        for _ in range(REPLAY_ROUND):
+            entry = self.spool.peek()
+            if entry is None or not self._can_post():
+                return
+            run_id = entry.run_id
+            if run_id == PENDING_RUN:
+                if entry.producer != self.producer:  # spooled by a process that never registered its run
+                    log.warning("shadowd: a batch of %d samples spooled before its run was registered, by another "
+                                "process: dropped", entry.samples)
+                    self.spool_dropped += entry.samples
+                    self.spool.pop(entry)
+                    continue
+                run_id = self.run_id
+            try:
+                body = entry.read()
+            except OSError as e:  # gone (delivered by another producer sharing the directory) or unreadable
+                log.warning("shadowd: spooled batch %s could not be read (%r): skipped", entry.path.name, e)
+                self.spool.pop(entry)
                 continue
-            if self._post(entry.read(), 0) is None:
+            # (a leftover of an earlier run of this spool goes to that run: the body names its producer and seq)
+            if self._post(run_id, body, entry.samples) is None:
                 return
             self.spool.pop(entry)
 
-    def _ship(self, samples: list[dict[str, Any]]) -> None:
+    def _next_seq(self) -> int:
         seq = self.seq
         self.seq += 1
-        body = encode_msgpack(build_batch(self.producer, seq, samples, self.producer_stats(),
+        return seq
+
+    def _encode(self, seq: int, samples: list[dict[str, Any]]) -> bytes:
+        return encode_msgpack(build_batch(self.producer, seq, samples, self.producer_stats(),
                                           producer_notes=self.notes() if self.notes else None))
-        direct = self.spool.depth() == 0 and time.monotonic() >= self._retry_at
-        if direct and self._post(body, len(samples)) is not None:
-            return
-        if not self.spool.push(self.run_id, self.producer, seq, body):
-            self.dropped += len(samples)
+
+    def _ship(self, samples: list[dict[str, Any]]) -> None:
+        with self._lock:
+            seq = self._next_seq()
+        body = self._encode(seq, samples)
+        if self.spool.depth() == 0 and self._can_post():
+            self._inflight = (seq, body, len(samples))
+            done = self._post(self.run_id, body, len(samples))
+            with self._lock:
+                if self._inflight is None:  # close() spooled it meanwhile
+                    return
+                self._inflight = None
+            if done is not None:
+                return
+        with self._lock:
+            if not self.spool.push(self.run_id, self.producer, seq, body, len(samples)):
+                self.spool_dropped += len(samples)
 
     def _poll_mode(self) -> None:
-        if time.monotonic() - self._last_contact < self.poll_interval_s or time.monotonic() < self._retry_at:
+        if (time.monotonic() - self._last_contact < self.poll_interval_s or not self._can_post()):
             return
         try:
-            self._answer(self.client.get_run(self.run_id))
+            self._answer(self.client.get_run(self.run_id), self.run_id)
         except CollectorUnavailable:
             self._retry_at = time.monotonic() + self._backoff
         except BatchRejected as e:
@@ -238,7 +344,7 @@ class Streamer:
                 self._poll_mode()
             except Exception as e:  # the thread must survive anything; the samples are lost and counted
                 log.warning("shadowd: streamer error, %d samples dropped: %r", len(samples), e)
-                self.dropped += len(samples)
+                self.spool_dropped += len(samples)
                 time.sleep(0.1)
             finally:
                 self._done += from_queue

@@ -22,7 +22,6 @@ Run key: ``SHADOWD_RUN_KEY`` if the launching process set it; else systemd's ``I
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import socket
@@ -145,24 +144,27 @@ class ProcessSetup:
 
     def _start_streamer(self, rt: HookRuntime, fields: dict[str, Any]) -> None:
         from shadowd.client import BatchRejected, CollectorClient
-        from shadowd.hook.spool import Spool
+        from shadowd.hook.spool import PENDING_RUN, Spool
         from shadowd.hook.streamer import Streamer
         from shadowd.wire import PRODUCER_STATS
 
         cfg = rt.config
         assert cfg.url is not None
         client = CollectorClient(cfg.url, cfg.token, timeout=cfg.http_timeout_s)
-        spool = Spool(cfg.spool_dir / hashlib.sha256(fields["run_key"].encode()).hexdigest()[:12] / f"rank{cfg.rank}",
-                      cfg.spool_max_bytes)
+        # one directory per rank, not per launch: a restarted worker replays what the previous launch spooled (to
+        # that launch's run) instead of leaving it behind
+        spool = Spool(cfg.spool_dir / f"rank{cfg.rank}", cfg.spool_max_bytes)
 
         def stats() -> dict[str, int]:
             return {**rt.producer_stats(), **self.spec.producer_stats(PRODUCER_STATS)}
 
-        streamer = Streamer(client, -1, spool, queue_max=cfg.queue_max, batch_max=cfg.batch_max,
+        streamer = Streamer(client, PENDING_RUN, spool, queue_max=cfg.queue_max, batch_max=cfg.batch_max,
                             flush_interval_s=cfg.flush_interval_s, poll_interval_s=cfg.poll_interval_s,
                             on_mode_override=rt.set_override, stats=stats, notes=rt.producer_notes)
         streamer.pollers.append(lambda: rt._device.poll() if rt._device is not None else [])
-        rt.streamer = streamer  # samples queue up until the run is registered
+        # started at once: until the run is registered (the collector may be down) batches go to the spool
+        rt.streamer = streamer.start()
+        atexit.register(streamer.close, 2.0)
 
         def register() -> None:
             delay = 0.5
@@ -178,10 +180,8 @@ class ProcessSetup:
                     time.sleep(delay)
                     delay = min(delay * 2, 30.0)
             rt.run_id = int(run["id"])
-            streamer.run_id = rt.run_id
             rt.set_override(run.get("mode_override"))
-            streamer.start()
-            atexit.register(streamer.close, 2.0)
+            streamer.run_id = rt.run_id  # (last: the streamer's thread then posts, the spooled batches first)
             log.warning("shadowd: run %d (%s), rank %d streaming to the collector", rt.run_id, fields["run_key"],
                         cfg.rank)
 

@@ -1,0 +1,164 @@
+"""The streamer under faults a deployment meets: spool files that vanish, a previous run's leftovers, a batch the
+collector fails on, a long outage's replay, exit with a collector that never answers, a run not yet registered."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import shadowd.hook.streamer as streamer_mod
+from shadowd.client import CollectorClient
+from shadowd.hook.spool import PENDING_RUN, Spool
+from shadowd.hook.streamer import Streamer
+from shadowd.wire import decode_msgpack, encode_msgpack
+from tests.hook.conftest import Collector, run_body
+from tests.hook.test_streamer import Silent, db_samples, sample, wait_for
+
+
+def _calls(collector: Collector, run_id: int) -> list[int]:
+    return sorted(c for _, c in db_samples(collector.db_path, run_id))
+
+
+def test_a_spooled_batch_that_vanished_is_skipped_and_later_samples_arrive(collector: Collector,
+                                                                         tmp_path: Path) -> None:
+    # (two producers sharing a spool directory: one delivers and deletes a file the other had listed)
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("vanish"))["id"]
+    spool = Spool(tmp_path / "spool", 2**20)
+    for seq in range(3):
+        assert spool.push(run_id, "other", seq, encode_msgpack(_batch("other", seq, [seq])), 1)
+    spool.peek()  # listed
+    next(p for p in (tmp_path / "spool").glob("*.mpk") if "-00000000000000000001-" in p.name).unlink()
+    st = Streamer(client, run_id, spool, flush_interval_s=0.05).start()
+    for i in range(10, 20):
+        st.submit(sample(i))
+    assert st.flush(30), st.last_error
+    st.close()
+    assert _calls(collector, run_id) == [0, 2, *range(10, 20)]
+    assert st.dropped == 0 and spool.depth() == 0
+
+
+def test_a_previous_runs_leftovers_are_delivered_to_that_run(collector: Collector, tmp_path: Path) -> None:
+    # (they were deleted unsent as "another run's leftovers": a restarted producer registers a new run)
+    client = CollectorClient(collector.url, timeout=2.0)
+    old = client.register_run(run_body("launch-1"))["id"]
+    new = client.register_run(run_body("launch-2"))["id"]
+    spool = Spool(tmp_path / "spool", 2**20)
+    assert spool.push(old, "p1", 0, encode_msgpack(_batch("p1", 0, [1, 2, 3])), 3)
+    st = Streamer(client, new, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05).start()
+    st.submit(sample(7))
+    assert st.flush(30), st.last_error
+    st.close()
+    assert _calls(collector, old) == [1, 2, 3] and _calls(collector, new) == [7]
+
+
+def test_a_batch_the_collector_keeps_failing_on_is_dropped_counted_and_the_rest_flows(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch
+                                                                                    ) -> None:
+    # 500 (not 503: the database is up) on every try of one batch: it wedged every later batch behind it
+    monkeypatch.setattr(streamer_mod, "BUG_TRIES", 3)
+    stored: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # the kill-switch poll
+            return httpx.Response(200, json={"id": 1})
+        body = decode_msgpack(request.content)
+        if body["seq"] == 0:
+            return httpx.Response(500, json={"detail": "internal error"})
+        stored.append(body["seq"])
+        return httpx.Response(200, json={"accepted": 1})
+
+    client = CollectorClient("http://collector", transport=httpx.MockTransport(handler))
+    st = Streamer(client, 1, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05, batch_max=1).start()
+    for i in range(4):
+        st.submit(sample(i))
+    st._backoff = 0.05
+    assert wait_for(lambda: stored == [1, 2, 3], 30), (stored, st.last_error)
+    st.close()
+    assert st.rejected == 1 and st.sent == 3
+
+
+def test_replay_takes_turns_with_the_queue(tmp_path: Path) -> None:
+    # a long outage's spool is replayed a round at a time; the queue's samples go behind it meanwhile (they were
+    # left in memory until the whole spool was sent, and the queue overflowed)
+    posted: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # the kill-switch poll
+            return httpx.Response(200, json={"id": 1})
+        posted.append(decode_msgpack(request.content)["seq"])
+        return httpx.Response(200, json={})
+
+    client = CollectorClient("http://collector", transport=httpx.MockTransport(handler))
+    spool = Spool(tmp_path / "spool", 2**22)
+    st = Streamer(client, 1, spool, flush_interval_s=0.05, batch_max=100)
+    for seq in range(40):
+        assert spool.push(1, st.producer, seq, encode_msgpack(_batch(st.producer, seq, [seq])), 1)
+    st.seq = 40
+    for i in range(5):
+        st.submit(sample(100 + i))
+    samples, taken = st._take()  # (one round of the thread's loop, run here)
+    st._replay()
+    st._ship(samples)
+    st._done += taken
+    assert posted == list(range(streamer_mod.REPLAY_ROUND)), "one round of the spool"
+    assert spool.depth() == 40 - streamer_mod.REPLAY_ROUND + 1, "the queue's samples spooled behind it, in order"
+    st.start()
+    assert st.flush(30)
+    st.close()
+    assert posted == list(range(41))
+
+
+def test_close_spools_what_a_silent_collector_holds_and_the_next_start_delivers_it(collector: Collector,
+                                                                                  tmp_path: Path) -> None:
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("exit"))["id"]
+    silent = Silent()
+    entered = threading.Event()
+
+    class Probe(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            entered.set()
+            return super().handle_request(request)
+
+    hung = CollectorClient(f"http://127.0.0.1:{silent.port}", timeout=60.0, transport=Probe())
+    st = Streamer(hung, run_id, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05, batch_max=10).start()
+    for i in range(5):
+        st.submit(sample(i))
+    assert entered.wait(30)
+    time.sleep(0.2)
+    for i in range(5, 25):
+        st.submit(sample(i))
+    t0 = time.monotonic()
+    st.close(timeout=0.5)
+    assert time.monotonic() - t0 < 5, "exit stays bounded"
+    assert st.spool.depth() >= 3 and st.dropped == 0, "the batch in flight and the queue, spooled"
+    silent.sock.close()
+    st2 = Streamer(client, run_id, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05).start()
+    assert st2.flush(30), st2.last_error
+    st2.close()
+    assert _calls(collector, run_id) == list(range(25)), "every sample stored exactly once"
+
+
+def test_samples_before_the_run_is_registered_are_spooled_then_delivered(collector: Collector,
+                                                                        tmp_path: Path) -> None:
+    client = CollectorClient(collector.url, timeout=2.0)
+    spool = Spool(tmp_path / "spool", 2**20)
+    st = Streamer(client, PENDING_RUN, spool, flush_interval_s=0.05, batch_max=10).start()
+    for i in range(30):
+        st.submit(sample(i))
+    assert wait_for(lambda: st._q.empty() and spool.depth() >= 1)
+    st.run_id = client.register_run(run_body("late"))["id"]  # the collector answered the registration at last
+    assert st.flush(30), st.last_error
+    st.close()
+    assert _calls(collector, st.run_id) == list(range(30)) and st.dropped == 0
+
+
+def _batch(producer: str, seq: int, calls: list[int]) -> dict:
+    from shadowd.hook.streamer import build_batch
+
+    return build_batch(producer, seq, [sample(c) for c in calls])
