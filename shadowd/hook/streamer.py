@@ -17,10 +17,11 @@
   that can no longer be read (another producer sharing the directory delivered it) is skipped.
   A batch the spool cannot take is dropped and its samples counted in ``dropped``, which
   every later batch reports in ``producer_stats``.
-* A 4xx answer (bad batch, conflict, unknown run, too big, auth) is logged and the batch
-  dropped and counted in ``rejected``: it is never retried. So is a batch answered 500 ``BUG_TRIES`` times in
-  a row (the collector failing on it: a 503, the database unavailable, is retried for as long as it lasts),
-  which would otherwise hold every later batch behind it.
+* A 4xx answer (bad batch, conflict, unknown run, too big) is logged and the batch dropped and counted in
+  ``rejected``: it is never retried. 401 / 403 (a token the collector does not take: rotated, mistyped) keep
+  the batch in the spool instead, for a process restarted with the right token to replay. A batch answered
+  500 ``BUG_TRIES`` times in a row is dropped too (the collector failing on it; a 503, the database
+  unavailable, is retried for as long as it lasts): it would otherwise hold every later batch behind it.
 * :meth:`Streamer.close` (at exit) spools what a collector that does not answer still holds — the batch in
   flight and the queue — for the next start to replay; before its run is registered (``PENDING_RUN``) the
   streamer spools everything and sends it once :attr:`Streamer.run_id` is set.
@@ -264,6 +265,11 @@ class Streamer:
             return None
         except BatchRejected as e:
             self.last_error = str(e)
+            if e.status in (401, 403):  # a token not (yet) valid there: kept for when it is (a restart replays)
+                log.warning("shadowd: the collector refused this producer's token (%s): spooling", e)
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, 10.0)
+                return None
             self.rejected += n
             log.warning("shadowd: collector rejected a batch of %d samples (%s): dropped", n, e)
             return False

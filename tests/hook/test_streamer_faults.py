@@ -162,3 +162,28 @@ def _batch(producer: str, seq: int, calls: list[int]) -> dict:
     from shadowd.hook.streamer import build_batch
 
     return build_batch(producer, seq, [sample(c) for c in calls])
+
+
+def test_a_refused_token_keeps_the_batches_for_a_restart_with_the_right_one(tmp_path: Path) -> None:
+    good: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("Authorization") != "Bearer right":
+            return httpx.Response(401, json={"detail": "bad token"})
+        if request.method == "POST":
+            good.append(decode_msgpack(request.content)["seq"])
+        return httpx.Response(200, json={"id": 1})
+
+    def client(token: str) -> CollectorClient:
+        return CollectorClient("http://collector", token=token, transport=httpx.MockTransport(handler))
+
+    st = Streamer(client("rotated"), 1, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05).start()
+    for i in range(5):
+        st.submit(sample(i))
+    assert wait_for(lambda: st._q.empty() and st.spool.depth() >= 1)
+    st.close(timeout=0.5)
+    assert st.rejected == 0 and st.dropped == 0 and good == []
+    st2 = Streamer(client("right"), 1, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05).start()
+    assert st2.flush(30), st2.last_error
+    st2.close()
+    assert good and st2.spool.depth() == 0
