@@ -46,7 +46,8 @@ class HookRuntime:
         self.disabled_reason: str | None = None
         self.device_errors = 0
         self.step = 0
-        #: the ShadowSite whose first-layer calls advance ``step`` (the first one to make such a call)
+        #: a weak reference to the ShadowSite whose first-layer calls advance ``step`` (the first one to make such a
+        #: call; a site that replaces it once it is gone takes over)
         self.step_site: Any = None
         self.calls = 0
         self.emitted = 0

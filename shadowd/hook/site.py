@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -280,9 +281,11 @@ class ShadowSite:
         and spot checks would skip whole site / layer pairs)."""
         if layer != self.first_layer:
             return False
-        owner = self.rt.step_site
-        if owner is None:
-            self.rt.step_site = owner = self
+        ref = self.rt.step_site
+        owner = ref() if ref is not None else None
+        if owner is None:  # the first such call, or the owner is gone (a site replaced): this one takes over
+            self.rt.step_site = weakref.ref(self)
+            return True
         return owner is self
 
     def unchecked_error(self, out: Any, args: tuple[Any, ...], b: Bucket,

@@ -71,6 +71,12 @@ def test_two_sites_on_one_runtime_sample_every_layer_of_a_sampled_step() -> None
     assert rt.step == 10
     assert len(sink) == 5 * 3 * 2, "half the steps, every layer of both sites"
     assert sorted({s["step"] for s in sink}) == [2, 4, 6, 8, 10]
+    # a site that replaces the first one once it is gone (a plugin reloaded) takes the step over
+    del attn
+    again = ShadowSite("attn", base_fn, cand_fn, runtime=rt)
+    again(x, w, layer=0)
+    mlp(x, w, layer=0)
+    assert rt.step == 11
 
 
 def test_on_mode_serves_only_outputs_like_the_baselines() -> None:
