@@ -11,16 +11,19 @@ child processes (``SHADOWD_INGEST_WRITER=process``, the default for a SQLite fil
   columns and delta rows) through a pipe to the writer with the fewest jobs in hand;
 * a writer takes jobs off its pipe in a thread (the next job is in memory while the current one is
   written), builds the statement's rows, and runs :meth:`Store.write` — the same transaction as
-  in-process ingest — inside **one lock shared by all writer processes**: SQLite's write lock
-  semantics of the in-process lock (writers queue on a lock instead of spinning in SQLite's busy
+  in-process ingest — inside **one lock shared by all writer processes** (:class:`WriteLock`): the
+  semantics of the in-process lock (writers queue on a lock instead of polling in SQLite's busy
   handler), while one writer's preparation overlaps another's transaction;
 * it answers with the :class:`WriteOutcome` or the error, which the HTTP process raises as if the
   write had run there.
 
 Everything else — metrics, answers, run registration, the kill switch, retention, evaluations —
 stays in the HTTP process; its few writes queue on SQLite's own lock (busy timeout) against the
-writers. A writer that dies fails the batches it had in hand with 503 (the producers retry;
-nothing of them was committed) and is started again for the next batch.
+writers. A writer that dies — also killed inside its transaction, by SIGKILL or the OOM killer —
+fails the batches it had in hand with 503 (the producers retry; nothing of them was committed, or
+the retry is answered as a duplicate) and is started again for the next batch: SQLite rolls its
+transaction back and the kernel releases its hold on the writers' lock. A writer whose HTTP
+process is gone (its jobs pipe closed without a stop) ends at once, whatever it is doing.
 
 The writers' own commits do not checkpoint the WAL (``wal_autocheckpoint=0``): a thread of the
 HTTP process does, every CHECKPOINT_INTERVAL_S with its own connection. SQLite runs a checkpoint
@@ -35,9 +38,11 @@ import gc
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import sqlite3
+import tempfile
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -53,7 +58,12 @@ from shadowd.collector.db import make_engine
 from shadowd.collector.store import Conflict, Store, UnknownRun, WriteJob, WriteOutcome
 from shadowd.judge.policy import Policy
 
-__all__ = ["CHECKPOINT_INTERVAL_S", "IngestWriter", "WriterUnavailable", "checkpoint_loop"]
+try:
+    import fcntl
+except ImportError:  # not a Unix: no lock between the writers (SQLite's own lock alone serialises them)
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["CHECKPOINT_INTERVAL_S", "IngestWriter", "WriteLock", "WriterUnavailable", "checkpoint_loop"]
 
 log = logging.getLogger("shadowd.collector")
 
@@ -63,6 +73,30 @@ CHECKPOINT_INTERVAL_S = 0.5
 
 class WriterUnavailable(RuntimeError):
     """The write could not be done now (database error, writer process gone): answered 503, retry."""
+
+
+class WriteLock:
+    """The writer processes' lock around their write transactions: an exclusive ``flock(2)`` on one file.
+
+    It is there for speed, not correctness: SQLite lets one writer in at a time anyway (``BEGIN IMMEDIATE``
+    and the busy timeout), but a writer that finds the database locked polls in SQLite's busy handler, napping
+    1, 2, 5 … 100 ms between tries, while one waiting here sleeps in the kernel until the holder lets go.
+    Unlike a ``multiprocessing.Lock``, which a killed holder keeps for good (every later writer then waited
+    on it forever), a flock is released by the kernel when its holder dies, SIGKILL included. Each process
+    opens the file itself (a flock belongs to an open file description); without ``fcntl`` (not a Unix) it
+    locks nothing.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if fcntl is not None else None
+
+    def __enter__(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
 def _widen(conn: Connection) -> None:
@@ -97,9 +131,9 @@ def _sqlite_path(db_url: str) -> str | None:
     return path if db_url.startswith("sqlite") and path and path != ":memory:" else None
 
 
-def _serve(jobs: Connection, answers: Connection, lock: Any, db_url: str, policy: Policy, time_bucket_s: int,
-           store_samples: bool) -> None:
-    """A writer process: one Store, one job at a time, until the pipe closes."""
+def _serve(jobs: Connection, answers: Connection, lock_path: str | None, db_url: str, policy: Policy,
+           time_bucket_s: int, store_samples: bool) -> None:
+    """A writer process: one Store, one job at a time, until the HTTP process says stop (or is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when to stop
     engine = make_engine(db_url)
     # a job makes some 60 000 short-lived objects: collect the young generation rarely, and
@@ -111,6 +145,7 @@ def _serve(jobs: Connection, answers: Connection, lock: Any, db_url: str, policy
         def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.execute("PRAGMA wal_autocheckpoint=0")
 
+    lock = WriteLock(lock_path) if lock_path is not None else None
     store = Store(engine, policy, time_bucket_s, store_samples, write_lock=lock, own_connection=True)
     # a thread takes jobs off the pipe as they come, so that the next one is in memory when the
     # current one is written (the transfer of a megabyte does not wait for the writer)
@@ -121,7 +156,10 @@ def _serve(jobs: Connection, answers: Connection, lock: Any, db_url: str, policy
             try:
                 msg = jobs.recv()
             except (EOFError, OSError):
-                msg = None
+                # closed without a stop: the HTTP process is gone (killed). No answer can reach it and its
+                # producers send again what was not answered: end now, even inside a transaction (SQLite rolls
+                # back what was not committed), rather than live on as an orphan
+                os._exit(1)
             inbox.put(msg)
             if msg is None:
                 return
@@ -172,7 +210,7 @@ class IngestWriter:
                  processes: int = 2) -> None:
         self._args = (db_url, policy, time_bucket_s, store_samples)
         self._ctx = multiprocessing.get_context("spawn")
-        self._db_lock = self._ctx.Lock()  # the SQLite write lock of all writer processes
+        self._lock_path: str | None = None  # the file of the writers' WriteLock (SQLite only)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._workers = [_Worker(i) for i in range(max(1, processes))]
@@ -182,10 +220,13 @@ class IngestWriter:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> IngestWriter:
+        path = _sqlite_path(self._args[0])
+        if path is not None:
+            fd, self._lock_path = tempfile.mkstemp(prefix="shadowd-writers-", suffix=".lock")
+            os.close(fd)
         with self._lock:
             for w in self._workers:
                 self._start_locked(w)
-        path = _sqlite_path(self._args[0])
         if path is not None:
             self._checkpoints = threading.Thread(target=checkpoint_loop, args=(path, self._stop, CHECKPOINT_INTERVAL_S),
                                                  name="shadowd-checkpoint", daemon=True)
@@ -197,7 +238,7 @@ class IngestWriter:
         jobs_in, jobs_out = self._ctx.Pipe(duplex=False)
         answers_in, answers_out = self._ctx.Pipe(duplex=False)
         _widen(jobs_out)
-        proc = self._ctx.Process(target=_serve, args=(jobs_in, answers_out, self._db_lock, *self._args),
+        proc = self._ctx.Process(target=_serve, args=(jobs_in, answers_out, self._lock_path, *self._args),
                                  name=f"shadowd-writer-{w.index}", daemon=True)
         proc.start()
         jobs_in.close()
@@ -234,6 +275,9 @@ class IngestWriter:
         self._stop.set()
         if self._checkpoints is not None:
             self._checkpoints.join(timeout)
+        if self._lock_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._lock_path)
 
     @property
     def pids(self) -> list[int]:

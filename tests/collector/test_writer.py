@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import threading
 import time
 
@@ -63,6 +64,94 @@ def test_a_dead_writer_is_replaced_and_loses_nothing_committed(fresh_sqlite, mak
     assert writer.pids != [pid]
     assert count_rows(fresh_sqlite, t.samples) == 80
     assert c.get(f"/v1/runs/{run_id}").json()["batches"] == 2
+
+
+def _holding_sqlites_write_lock(db_url: str) -> sqlite3.Connection:
+    """A connection holding SQLite's write lock: a writer that takes a batch now waits for it inside the writers'
+    own lock (in BEGIN IMMEDIATE's busy timeout), until the connection rolls back."""
+    con = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None)
+    con.execute("BEGIN IMMEDIATE")
+    return con
+
+
+def test_a_writer_killed_holding_the_write_lock_stalls_no_later_batch(fresh_sqlite, make_client):
+    """A writer SIGKILLed (the OOM killer) inside its write: the batch it had in hand answers 503, and every later
+    batch, through the other writer and through the dead one's successor, is stored exactly once."""
+    c = make_client(fresh_sqlite, ingest_writer_processes=2)
+    writer = c.app.state.shadowd.writer
+    run_id = register(c, run_body(num_layers=4))
+    n, per = 40, 6
+
+    def batch(producer: str, seq: int) -> dict:
+        return make_batch(n, producer=producer, seq=seq, step0=seq * n, packed=True)
+
+    assert post_msgpack(c, run_id, batch("a", 0)).status_code == 200
+    blocker = _holding_sqlites_write_lock(fresh_sqlite)
+    in_hand: list[int] = []
+    held = threading.Thread(target=lambda: in_hand.append(post_msgpack(c, run_id, batch("a", 1)).status_code))
+    held.start()  # writer 0 (the one with fewest jobs) takes it and waits inside the writers' lock
+    time.sleep(1.0)
+    victim = writer.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    held.join(20)
+    blocker.rollback()
+    blocker.close()
+    assert in_hand == [503]
+
+    # producers stream on, re-sending what was answered 503 (as the hook's streamer does)
+    answers: dict[str, list[int]] = {"a": [], "b": []}
+    stop = threading.Event()
+
+    def produce(producer: str, first: int) -> None:
+        for seq in range(first, per):
+            for _ in range(100):
+                if stop.is_set():
+                    return
+                r = post_msgpack(c, run_id, batch(producer, seq))
+                answers[producer].append(r.status_code)
+                if r.status_code != 503:
+                    break
+                time.sleep(0.05)
+
+    streams = [threading.Thread(target=produce, args=("a", 1), daemon=True),
+               threading.Thread(target=produce, args=("b", 0), daemon=True)]
+    for th in streams:
+        th.start()
+    for th in streams:
+        th.join(60)
+    stop.set()
+    assert not any(th.is_alive() for th in streams), f"ingest stalled after the kill: {answers}"
+    assert all(s == 200 for s in answers["a"] + answers["b"]), answers
+    assert victim not in writer.pids
+    run = c.get(f"/v1/runs/{run_id}").json()
+    assert run["batches"] == 2 * per and run["samples"] == 2 * per * n and run["duplicate_batches"] == 0
+    assert count_rows(fresh_sqlite, t.samples) == 2 * per * n
+    for producer in answers:
+        assert count_rows(fresh_sqlite, t.batches, producer=producer) == per
+
+
+def test_a_writer_whose_http_process_is_gone_ends_at_once(fresh_sqlite, make_client):
+    """The HTTP process killed (its end of the jobs pipe closed without a stop): its writer ends now, also while it
+    waits inside a write, rather than surviving it as an orphan."""
+    c = make_client(fresh_sqlite)
+    writer = c.app.state.shadowd.writer
+    run_id = register(c, run_body(num_layers=4))
+    blocker = _holding_sqlites_write_lock(fresh_sqlite)
+    try:
+        answer: list[int] = []
+        held = threading.Thread(target=lambda: answer.append(post_msgpack(c, run_id, make_batch(8)).status_code))
+        held.start()
+        time.sleep(1.0)
+        proc = writer._workers[0].proc
+        writer._workers[0].conn.close()  # what the HTTP process's death does to the pipe
+        proc.join(5)
+        assert not proc.is_alive(), "the writer outlived its HTTP process"
+        held.join(10)
+        assert answer == [503]
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert count_rows(fresh_sqlite, t.samples) == 0
 
 
 def test_several_writer_processes_share_the_write_lock(fresh_sqlite, make_client):
