@@ -148,7 +148,7 @@ COLUMNS: tuple[Column, ...] = (
 
 SPEC_MODES = ("off", "validate", "on")
 
-#: Optional per-batch producer figures (all non-negative integers): health, and cumulative
+#: Optional per-batch producer figures (all integers from 0 to COUNTER_MAX): health, and cumulative
 #: speculative-decoding counters per mode.
 PRODUCER_STATS: tuple[str, ...] = (
     "spool_depth",     # batches waiting in the on-disk spool

@@ -26,6 +26,7 @@ from shadowd.collector import histblob
 from shadowd.wire import (
     COLUMNS,
     COUNT_MAX,
+    COUNTER_MAX,
     HIST_BINS,
     PRODUCER_NOTE_MAX,
     PRODUCER_NOTES,
@@ -248,9 +249,10 @@ def _producer_fields(raw: Any, name: str, known: tuple[str, ...], ok: Callable[[
 
 
 def _producer_stats(raw: Any) -> dict[str, int]:
+    # counters (COUNTER_MAX keeps them exact as the float64 of /metrics and far inside the database's int64)
     return _producer_fields(raw, "producer_stats", PRODUCER_STATS,
-                            lambda v: not isinstance(v, bool) and isinstance(v, int) and v >= 0,
-                            "a non-negative integer")
+                            lambda v: not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= COUNTER_MAX,
+                            f"a non-negative integer, at most {COUNTER_MAX}")
 
 
 def _producer_notes(raw: Any) -> dict[str, str]:

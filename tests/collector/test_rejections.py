@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from shadowd.collector import tables as t
-from shadowd.wire import HIST_BINS
+from shadowd.wire import COUNTER_MAX, HIST_BINS
 from tests.collector.helpers import TABLES, count_rows, post_msgpack, register
 from tests.factories import make_batch, run_body
 
@@ -65,6 +65,13 @@ def _cases():
          422, "samples"),
         ("bad producer stats", lambda: {**make_batch(6), "producer_stats": {"spool_depth": -2}}, 422,
          "producer_stats.spool_depth"),
+        # beyond 64 bits the database refused them (SQLite 500, PostgreSQL 503: the producer retried forever)
+        ("producer stat of 2^63", lambda: {**make_batch(6), "producer_stats": {"device_errors": 2**63}}, 422,
+         "producer_stats.device_errors"),
+        ("producer stat of 2^64 - 1", lambda: {**make_batch(6), "producer_stats": {"dropped": 2**64 - 1}}, 422,
+         "producer_stats.dropped"),
+        ("producer stat beyond 2^53", lambda: {**make_batch(6), "producer_stats": {"spec_passes_on": COUNTER_MAX + 1}},
+         422, "producer_stats.spec_passes_on"),
         ("unknown producer note", lambda: {**make_batch(6), "producer_notes": {"why": "x"}}, 422, "producer_notes.why"),
         ("overlong producer note", lambda: {**make_batch(6), "producer_notes": {"disabled_reason": "x" * 301}}, 422,
          "producer_notes.disabled_reason"),
