@@ -8,11 +8,11 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError, DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shadowd.collector.batch import BadBatch
-from shadowd.collector.store import Conflict, UnknownRun
+from shadowd.collector.store import Conflict, UnknownRun, refused
 from shadowd.collector.writer import WriterUnavailable
 
 __all__ = ["ApiError", "answer", "install_error_handlers"]
@@ -74,13 +74,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return answer(request, exc.status_code, "request", str(exc.detail))
 
-    @app.exception_handler(DataError)
-    async def _data(request: Request, exc: DataError) -> JSONResponse:
-        # a value the database refuses (out of its range, a character it cannot store): the same request would
-        # fail again, so it is the client's error, not "retry later"; the transaction was rolled back
-        detail = str(exc.orig).splitlines()[0] if exc.orig is not None else type(exc).__name__
-        log.warning("database refused a value on %s: %s", request.url.path, detail)
-        return answer(request, 422, "body", f"the database refused a value: {detail}")
+    async def _refused(request: Request, exc: Exception) -> JSONResponse:
+        # a value the database refuses (out of its range, a character it cannot store, against a constraint): the
+        # same request would fail again, so it is the client's error, not "retry later"; the transaction was
+        # rolled back. (Ingest names the part of the batch itself: store.Store._storing.)
+        bad = refused("body", exc)
+        log.warning("database refused a value on %s: %s", request.url.path, bad.message)
+        return answer(request, 422, bad.field, bad.message)
+
+    app.add_exception_handler(DataError, _refused)
+    app.add_exception_handler(IntegrityError, _refused)
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:

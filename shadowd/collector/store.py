@@ -6,7 +6,8 @@ thread, or in a writer process (shadowd.collector.writer) — runs one transacti
 run, check layers and ranks against it, claim the (producer, seq) slot (a duplicate with the
 same digest is answered as such, a different digest is a conflict), bulk-insert the raw samples
 (executemany on SQLite, binary COPY on PostgreSQL), then apply the rollup deltas with atomic
-upserts. Any error rolls the whole batch back.
+upserts. Any error rolls the whole batch back. A value the database refuses (out of its range, against a
+constraint) is the batch's fault, not the database's: :class:`BadBatch` (422) naming what was refused.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from shadowd.collector.upsert import Upserter
 from shadowd.judge.policy import Policy
 from shadowd.wire import PRODUCER_NOTES, PRODUCER_STATS
 
-__all__ = ["Conflict", "IngestResult", "Store", "UnknownRun", "WriteJob", "WriteOutcome"]
+__all__ = ["Conflict", "IngestResult", "Store", "UnknownRun", "WriteJob", "WriteOutcome", "refused"]
 
 
 class UnknownRun(LookupError):
@@ -49,6 +50,14 @@ class Conflict(Exception):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+def refused(field: str, exc: BaseException) -> BadBatch:
+    """A value the database refused (``exc``: the driver's error, or SQLAlchemy's around it) as the 422 naming
+    ``field``: the same request would be refused again, so it is the client's error, not "retry later"."""
+    orig = getattr(exc, "orig", None) or exc
+    detail = next(iter(str(orig).splitlines()), "") or type(orig).__name__
+    return BadBatch(field, f"the database refused a value: {detail}")
 
 
 @dataclass
@@ -123,7 +132,11 @@ class Store:
         # them spin in SQLite's busy handler (which sleeps in growing steps); PostgreSQL needs none
         # (the ingest writer processes share one lock across processes: ``write_lock``)
         self._write_lock = (write_lock or threading.Lock()) if self.dialect == "sqlite" else None
-        self._driver_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        dbapi = engine.dialect.loaded_dbapi
+        self._driver_error: type[Exception] = dbapi.Error
+        # what the driver raises for a value the database refuses: out of its range (sqlite3 raises OverflowError
+        # for an integer beyond 64 bits before the database sees it) or against a constraint
+        self._refusals: tuple[type[Exception], ...] = (OverflowError, dbapi.DataError, dbapi.IntegrityError)
         # a writer process keeps one SQLite connection for its ingest transactions (``own_connection``)
         self._own = engine.raw_connection() if own_connection and self.dialect == "sqlite" else None
 
@@ -136,6 +149,19 @@ class Store:
             return
         with self._write_lock, self.engine.begin() as conn:
             yield conn
+
+    def _driver(self, exc: Exception) -> Exception:
+        """A driver error as SQLAlchemy's class for it (OperationalError, DataError, ...: see errors.py)."""
+        return DBAPIError.instance(None, None, exc, self._driver_error, dialect=self.engine.dialect)
+
+    @contextlib.contextmanager
+    def _storing(self, field: str) -> Iterator[None]:
+        """Statements that store ``field`` of a batch: a value of it the database refuses is :func:`refused` (422;
+        the transaction rolls back, nothing of the batch is stored)."""
+        try:
+            yield
+        except self._refusals as exc:
+            raise refused(field, exc) from exc
 
     # ---- dialect helpers -------------------------------------------------------------------------
     def _insert(self, table: Table) -> Any:
@@ -227,12 +253,12 @@ class Store:
             return self._write_own(job, q)
         with self._writing() as conn:
             # every statement on one DB-API cursor of the transaction's connection (no per-statement
-            # SQLAlchemy result objects); a driver error is raised as SQLAlchemy's DBAPIError (503)
+            # SQLAlchemy result objects); a driver error is raised as SQLAlchemy's (OperationalError: 503)
             cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
                 return self._write(cur, job, q, run_id, now, d)
             except self._driver_error as exc:
-                raise DBAPIError(None, None, exc) from exc
+                raise self._driver(exc) from exc
             finally:
                 cur.close()
 
@@ -255,7 +281,7 @@ class Store:
             except self._driver_error as exc:
                 if con.in_transaction:
                     con.rollback()
-                raise DBAPIError(None, None, exc) from exc
+                raise self._driver(exc) from exc
             finally:
                 cur.close()
 
@@ -275,7 +301,8 @@ class Store:
             raise BadBatch(f"samples.rank[{i}]", f"{rank[i]} is not below the run's tp_size {tp_size}")
 
         r = d.run
-        cur.execute(q["claim"], (run_id, job.producer, job.seq, job.digest, job.n, now, r["last_sample_ts"]))
+        with self._storing("seq"):  # the batch's row: its producer, seq, size and newest time
+            cur.execute(q["claim"], (run_id, job.producer, job.seq, job.digest, job.n, now, r["last_sample_ts"]))
         claimed = cur.fetchone()
         if claimed is None:
             cur.execute(q["digest"], (run_id, job.producer, job.seq))
@@ -287,21 +314,24 @@ class Store:
             cur.execute(q["duplicate"], (run_id,))
             return WriteOutcome(True, mode_override=mode_override)
 
-        if self.store_samples:
-            self._insert_samples(cur, job, int(claimed[0]))
-        up = self._upserter.upsert
-        up(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
-           greatest=(*MAXES, "last_ts"), least=("first_ts",))
-        up(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
-        up(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
-        up(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",), least=("first_ts",))
-        up(cur, t.errors, d.errors, ("run_id", "error"), add=("n",), greatest=("last_ts",), least=("first_ts",))
-        policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
-        cur.execute(q["run_update"], (
-            r["n_samples"], r["n_errors"], r["n_cand_nonfinite"], r["n_base_nonfinite"], r["n_exceed"],
-            r["n_requests"], r["n_oracle"], r["first_sample_ts"], r["first_sample_ts"], r["last_sample_ts"],
-            r["last_sample_ts"], now, policy_hash, run_id))
-        gap = self._record_producer(cur, job, int(rank[0]))
+        with self._storing("samples"):  # the samples, and the rollups and run counters they add to
+            if self.store_samples:
+                self._insert_samples(cur, job, int(claimed[0]))
+            up = self._upserter.upsert
+            up(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
+               greatest=(*MAXES, "last_ts"), least=("first_ts",))
+            up(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
+            up(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
+            up(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
+               least=("first_ts",))
+            up(cur, t.errors, d.errors, ("run_id", "error"), add=("n",), greatest=("last_ts",), least=("first_ts",))
+            policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
+            cur.execute(q["run_update"], (
+                r["n_samples"], r["n_errors"], r["n_cand_nonfinite"], r["n_base_nonfinite"], r["n_exceed"],
+                r["n_requests"], r["n_oracle"], r["first_sample_ts"], r["first_sample_ts"], r["last_sample_ts"],
+                r["last_sample_ts"], now, policy_hash, run_id))
+        with self._storing("producer_stats"):  # the producer's row: its figures and notes
+            gap = self._record_producer(cur, job, int(rank[0]))
         return WriteOutcome(False, gap=gap, mode_override=mode_override)
 
     def _hot_sql(self) -> dict[str, str]:

@@ -181,7 +181,7 @@ def _serve(jobs: Connection, answers: Connection, lock_path: str | None, db_url:
                 out = ("conflict", (exc.field, exc.message))
             except UnknownRun as exc:
                 out = ("unknown", exc.run_id)
-            except DBAPIError as exc:
+            except DBAPIError as exc:  # (a value the database refuses is a BadBatch already: Store._storing)
                 out = ("unavailable", f"database error: {type(exc.orig).__name__}: {exc.orig}")
             except Exception as exc:  # answer it; the HTTP process logs and answers 500
                 out = ("error", f"{type(exc).__name__}: {exc}")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from sqlalchemy import create_engine
 
 from shadowd.collector import tables as t
+from shadowd.collector.routers import samples as samples_router
 from shadowd.wire import COUNTER_MAX, HIST_BINS
 from tests.collector.helpers import TABLES, count_rows, post_msgpack, register
 from tests.factories import make_batch, run_body
@@ -206,3 +208,72 @@ def test_bad_run_values_store_nothing_on_postgres(fresh_pg, make_client):
         r = c.post("/v1/runs", json=body)
         assert r.status_code == 422, r.text  # (NUL was a 503 "retry later" on PostgreSQL)
     assert count_rows(fresh_pg, t.runs) == 0
+
+
+def _database_rule(db_url: str, table: str, check: str) -> None:
+    """A rule of the database's own that validation does not know: the rows of ``table`` must pass ``check``
+    (``{row}`` before each column; SQLite: triggers, PostgreSQL: a CHECK constraint)."""
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            if engine.dialect.name == "sqlite":
+                for event in ("INSERT", "UPDATE"):
+                    conn.exec_driver_sql(f"CREATE TRIGGER rule_{event.lower()} BEFORE {event} ON {table} "
+                                         f"WHEN NOT ({check.format(row='NEW.')}) BEGIN SELECT RAISE(ABORT, "
+                                         "'against the rule'); END")
+            else:
+                conn.exec_driver_sql(f"ALTER TABLE {table} ADD CONSTRAINT rule CHECK ({check.format(row='')})")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("refusal", ["out of range", "constraint"])
+@pytest.mark.parametrize("ingest_writer", ["process", "inline"])
+def test_a_value_the_database_refuses_is_422_and_stores_nothing(db_url, make_client, monkeypatch, refusal,
+                                                                 ingest_writer):
+    """A value that passes validation but that the database refuses — out of its range (SQLite's driver:
+    OverflowError, PostgreSQL: DataError) or against a constraint (IntegrityError) — is the batch's fault: 422
+    naming what was refused, nothing stored, counted as rejected; never 500, nor 503 "retry later" (the producer
+    would re-send it forever). In the writer process and in the request thread, on both databases."""
+    c = make_client(db_url, ingest_writer=ingest_writer)
+    assert (c.app.state.shadowd.writer is not None) == (ingest_writer == "process")
+    run_id = register(c, run_body(num_layers=4))
+    if refusal == "out of range":  # a figure beyond 64 bits, as if validation had let it through
+        parse = samples_router.parse_batch
+
+        def lax_parse(body):
+            batch = parse(body)
+            if batch.seq == 0:
+                batch.producer_stats["device_errors"] = 2**63
+            return batch
+
+        monkeypatch.setattr(samples_router, "parse_batch", lax_parse)
+        bad = make_batch(6, packed=True)
+    else:
+        _database_rule(db_url, "producers", "{row}device_errors <= 1000")
+        bad = {**make_batch(6, packed=True), "producer_stats": {"device_errors": 5000}}
+    r = post_msgpack(c, run_id, bad)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"]["field"] == "producer_stats"
+    assert "refused" in r.json()["detail"]["error"]
+    _nothing_stored(db_url)
+    run = c.get(f"/v1/runs/{run_id}").json()
+    assert (run["batches"], run["samples"]) == (0, 0)
+    reg = c.app.state.metrics.registry
+    assert reg.get_sample_value("shadowd_rejected_batches_total", {"status": "422"}) == 1
+    # nothing is wedged: the producer's next batch is stored
+    good = {**make_batch(6, seq=1, step0=10, packed=True), "producer_stats": {"device_errors": 3}}
+    r = post_msgpack(c, run_id, good)
+    assert r.status_code == 200 and r.json()["accepted"] == 6, r.text
+    assert count_rows(db_url, t.samples) == 6
+
+
+def test_a_run_value_the_database_refuses_is_422(db_url, make_client):
+    """Against a constraint of the database (IntegrityError) a run registration is 422 too, not 503."""
+    c = make_client(db_url)
+    _database_rule(db_url, "runs", "{row}model <> 'refused-model'")
+    r = c.post("/v1/runs", json=run_body(model="refused-model"))
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"]["field"] == "body" and "refused" in r.json()["detail"]["error"]
+    assert count_rows(db_url, t.runs) == 0
+    assert c.post("/v1/runs", json=run_body()).status_code == 201
