@@ -370,9 +370,11 @@ class Store:
             cols = ("run_id", "producer", "rank", "max_seq", "batches", "gaps", "samples", "first_seen", "last_seen",
                     *PRODUCER_STATS, *PRODUCER_NOTES)
             p, x = "producers", "excluded"
-            # gaps: a jump past max_seq + 1 opens gaps; a late batch below max_seq fills one
+            # gaps: a jump past max_seq + 1 opens gaps; a late batch below max_seq fills one. No intermediate
+            # passes int64 whatever the seqs: max_seq + 1 could, seq - 1 cannot; gaps + seq could, gaps + the
+            # jump cannot (there are fewer gaps than seqs)
             sets = [
-                f"gaps = CASE WHEN {x}.max_seq > {p}.max_seq + 1 THEN {p}.gaps + {x}.max_seq - {p}.max_seq - 1 "
+                f"gaps = CASE WHEN {x}.max_seq - 1 > {p}.max_seq THEN {p}.gaps + ({x}.max_seq - {p}.max_seq - 1) "
                 f"WHEN {x}.max_seq < {p}.max_seq THEN {hi}({p}.gaps - 1, 0) ELSE {p}.gaps END",
                 f"max_seq = {hi}({p}.max_seq, {x}.max_seq)",
                 f"batches = {p}.batches + 1",

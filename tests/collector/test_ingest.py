@@ -69,6 +69,18 @@ def test_sequence_gaps_are_counted_and_filled(db_url, make_client):
     assert c.get(f"/v1/runs/{run_id}/producers").json()[0]["gaps"] == 1
 
 
+def test_sequence_gaps_near_the_largest_seq_are_exact(db_url, make_client):
+    """seq may be any int64: the gap count never passes through a sum beyond it (PostgreSQL refused the batch as
+    "bigint out of range", SQLite turned the count into an inexact float)."""
+    c = make_client(db_url)
+    run_id = register(c, run_body())
+    for i, seq in enumerate((0, 2**62, 2**63 - 1, 5)):  # the last one late, below the largest
+        r = post_msgpack(c, run_id, make_batch(8, seq=seq, step0=i * 10))
+        assert r.status_code == 200, r.text
+    (prod,) = c.get(f"/v1/runs/{run_id}/producers").json()
+    assert (prod["max_seq"], prod["gaps"]) == (2**63 - 1, 2**63 - 4)
+
+
 def test_producer_notes_keep_the_first_reason(db_url, make_client):
     """Why a rank's candidate was disabled or fell back, as its hook said it: on the producer row from the first
     batch that carries it, never overwritten (a process is disabled once), NULL while none was reported."""
