@@ -117,9 +117,11 @@ def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s
         ).one()
         e = t.errors.c
         errors = {str(r[0]): int(r[1]) for r in conn.execute(select(e.error, e.n).where(e.run_id == run_id))}
+        ranks = [dict(r) for r in conn.execute(select(t.ranks).where(t.ranks.c.run_id == run_id)).mappings()]
     steps = StepCounts(int(total), int(exceeded), run["policy_hash"], int(recent_total), int(recent_exc))
     return RunRollups(run=run, cells=_cells(engine, run_id), slots=slots, hists=dict(hists), steps=steps,
-                      now=now, history=history or [], errors=errors)
+                      now=now, history=history or [], errors=errors, ranks=ranks,
+                      producers=producers_of(engine, run_id))
 
 
 def runs_for_metrics(engine: Engine, since: float) -> list[dict[str, Any]]:

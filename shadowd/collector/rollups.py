@@ -29,7 +29,7 @@ from shadowd.judge.bins import (
 )
 from shadowd.judge.policy import Policy
 
-__all__ = ["COUNTERS", "HIST_STATS", "MAXES", "SUMS", "Deltas", "Rows", "compute_deltas"]
+__all__ = ["COUNTERS", "HIST_STATS", "MAXES", "SUMS", "Deltas", "Rows", "compared", "compute_deltas"]
 
 COUNTERS = ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "numel",
             "n_oracle", "n_timed")
@@ -73,6 +73,10 @@ class Deltas:
     exceeded: np.ndarray
     #: candidate errors per kind: run_id, error, n, first_ts, last_ts
     errors: Rows = field(default_factory=lambda: Rows(("run_id", "error", "n", "first_ts", "last_ts"), []))
+    #: per (rank, layer): run_id, rank, layer, n (compared calls), n_empty (calls that compared nothing), first_ts,
+    #: last_ts
+    ranks: Rows = field(default_factory=lambda: Rows(("run_id", "rank", "layer", "n", "n_empty", "first_ts",
+                                                      "last_ts"), []))
 
 
 def _pow2_ceil(x: np.ndarray) -> np.ndarray:
@@ -287,7 +291,27 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
         "first_sample_ts": float(ts.min()),
         "last_sample_ts": float(ts.max()),
     }
-    return Deltas(cells, slots, hists, steps, run, exceeded, _error_kinds(run_id, c["error"], ts))
+    return Deltas(cells, slots, hists, steps, run, exceeded, _error_kinds(run_id, c["error"], ts),
+                  _rank_rows(run_id, c["rank"], layer, compared(c, m["_err"]), ts))
+
+
+def compared(c: dict[str, Any], err: np.ndarray) -> np.ndarray:
+    """Per call: did it compare anything? ``numel`` counts the output elements compared; a call with none, no
+    candidate error and no candidate-only non-finite output (every baseline value non-finite, say) compared
+    nothing: it is stored, but it is no evidence for the verdict."""
+    return np.asarray((c["numel"] > 0) | err | (c["cand_nonfinite"] > 0), dtype=bool)
+
+
+def _rank_rows(run_id: int, rank: np.ndarray, layer: np.ndarray, done: np.ndarray, ts: np.ndarray) -> Rows:
+    # compared and empty calls per (rank, layer): what rank coverage reads
+    grp = _group([rank, layer])
+    g = len(grp)
+    return _rows({
+        "run_id": [run_id] * g, "rank": grp.keys[:, 0].tolist(), "layer": grp.keys[:, 1].tolist(),
+        "n": np.bincount(grp.inv, weights=done, minlength=g).round().astype(np.int64).tolist(),
+        "n_empty": np.bincount(grp.inv, weights=~done, minlength=g).round().astype(np.int64).tolist(),
+        "first_ts": grp.reduce(np.fmin, ts).tolist(), "last_ts": grp.reduce(np.fmax, ts).tolist(),
+    })
 
 
 def _error_kinds(run_id: int, errors: list[str | None], ts: np.ndarray) -> Rows:

@@ -325,6 +325,8 @@ class Store:
             up(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
                least=("first_ts",))
             up(cur, t.errors, d.errors, ("run_id", "error"), add=("n",), greatest=("last_ts",), least=("first_ts",))
+            up(cur, t.ranks, d.ranks, ("run_id", "rank", "layer"), add=("n", "n_empty"), greatest=("last_ts",),
+               least=("first_ts",))
             policy_hash = self.policy_hash if run_policy in ("", self.policy_hash) else "mixed"
             cur.execute(q["run_update"], (
                 r["n_samples"], r["n_errors"], r["n_cand_nonfinite"], r["n_base_nonfinite"], r["n_exceed"],

@@ -36,6 +36,7 @@ __all__ = [
     "hists",
     "metadata",
     "producers",
+    "ranks",
     "runs",
     "samples",
     "steps",
@@ -261,6 +262,23 @@ steps = Table(
     _counter("n_calls"),
     Column("exceeded", Integer, nullable=False, server_default="0"),
     Column("first_ts", Float, nullable=False),
+    sqlite_with_rowid=False,
+    **_HOT
+)
+
+# compared samples per (TP rank, layer): coverage needs every rank of the run. ``n`` counts calls that compared
+# something (numel > 0, or a candidate error or non-finite output); ``n_empty`` those that compared nothing
+# (numel 0 and no error: every baseline value non-finite, say), which are stored but are no evidence
+ranks = Table(
+    "rollup_ranks",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("layer", Integer, primary_key=True),
+    _counter("n"),
+    _counter("n_empty"),
+    Column("first_ts", Float, nullable=False),
+    Column("last_ts", Float, nullable=False),
     sqlite_with_rowid=False,
     **_HOT
 )

@@ -15,6 +15,7 @@ from typing import Any
 from shadowd.judge.bins import OCTAVE_SUFFIX, RUN_WIDE, count_above, hist_quantile_upper
 from shadowd.judge.inputs import RunRollups
 from shadowd.judge.policy import Policy
+from shadowd.judge.ranks import rank_gaps
 from shadowd.judge.report import FAIL, INSUFFICIENT, PASS, Criterion, bucket_label
 from shadowd.judge.stats import lower_bound, steps_needed, upper_bound
 
@@ -280,7 +281,8 @@ def _seconds(value: float, bound: float) -> str:
 
 
 def coverage(r: RunRollups, p: Policy) -> Criterion:
-    """Every declared layer and every shape bucket seen has at least ``min_cell_samples`` samples.
+    """Every declared layer and every shape bucket seen has at least ``min_cell_samples`` samples, and so has
+    every TP rank of the run in every layer (:func:`shadowd.judge.ranks.rank_gaps`).
 
     A bucket's count is its calls per layer (calls in the bucket / layers that saw it).
     """
@@ -300,9 +302,10 @@ def coverage(r: RunRollups, p: Policy) -> Criterion:
     empty = [lay for lay in short_layers if per_layer.get(lay, {}).get("n", 0.0) == 0]
     least_layer = min((per_layer.get(lay, {}).get("n", 0.0) for lay in layers), default=0.0)
     least_bucket = min(per_bucket.values(), default=0.0)
+    rank_parts, rank_observed = rank_gaps(r, need)
     observed = {"layers": len(layers), "min_layer_samples": least_layer, "buckets": len(per_bucket),
-                "min_bucket_samples": least_bucket, "empty_layers": len(empty)}
-    if short_layers or short_buckets or not layers:
+                "min_bucket_samples": least_bucket, "empty_layers": len(empty), **rank_observed}
+    if short_layers or short_buckets or not layers or rank_parts:
         parts = []
         if short_layers:
             parts.append(f"{len(short_layers)} of {len(layers)} layers below {need} samples "
@@ -312,10 +315,13 @@ def coverage(r: RunRollups, p: Policy) -> Criterion:
                          "per layer")
         if not layers:
             parts.append("the run declares no layers and none were seen")
+        parts += rank_parts
         detail = "; ".join(parts)
         return Criterion("coverage", INSUFFICIENT, observed, need, detail, short_layers, short_buckets)
+    ranks = int(rank_observed["ranks"])
     return Criterion("coverage", PASS, observed, need,
-                     f"all {len(layers)} layers and {len(per_bucket)} shape buckets have ≥ {need} samples")
+                     f"all {len(layers)} layers and {len(per_bucket)} shape buckets have ≥ {need} samples, "
+                     f"in every layer on {'each of the ' + str(ranks) + ' ranks' if ranks > 1 else 'the one rank'}")
 
 
 # ---- drift -------------------------------------------------------------------------------------

@@ -49,6 +49,10 @@ class RunRollups:
     - ``steps``: verify-step counts.
     - ``now``: the evaluation time (unix seconds).
     - ``errors``: candidate errors per kind (the samples' ``error`` marker → count), from rollup_errors.
+    - ``ranks``: rows of rollup_ranks — per (rank, layer): ``n`` calls that compared something, ``n_empty``
+      calls that compared nothing (stored, no evidence), first_ts, last_ts.
+    - ``producers``: the run's producer rows (one per process; a restarted rank is a new producer): rank,
+      producer, disabled, fallback, disabled_reason, fallback_reason, first_seen, last_seen, ...
     """
 
     run: dict[str, Any]
@@ -59,3 +63,5 @@ class RunRollups:
     now: float
     history: list[dict[str, Any]] = field(default_factory=list)  # earlier stored evaluations, oldest first
     errors: dict[str, int] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    producers: list[dict[str, Any]] = field(default_factory=list)

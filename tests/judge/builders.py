@@ -41,11 +41,13 @@ def rollups(num_layers: int = 2, n_per_layer: int = 1000, steps: int = 2000, exc
             requests: int = 100, span: float = 600.0, rel: float = 3e-3, recent_rel: float | None = None,
             policy: Policy = SMALL, cells: list[dict[str, Any]] | None = None,
             history: list[dict[str, Any]] | None = None, now: float | None = None, fingerprint: str = "fp-1",
-            policy_hash: str | None = None, **run_over: Any) -> RunRollups:
+            policy_hash: str | None = None, ranks: list[dict[str, Any]] | None = None,
+            **run_over: Any) -> RunRollups:
     """A run whose every criterion passes under SMALL unless told otherwise.
 
     Slots: the first half of each layer's samples in history (t = T0), the second half in the recent
-    window (mean ``recent_rel``, default ``rel``).
+    window (mean ``recent_rel``, default ``rel``). Ranks: each layer's samples shared equally by the
+    ``tp_size`` ranks (default 1) unless ``ranks`` (rows of rank, layer, n, n_empty) is given.
     """
     if cells is None:
         cells = [cell(lay, n_per_layer, rel) for lay in range(num_layers)]
@@ -65,8 +67,19 @@ def rollups(num_layers: int = 2, n_per_layer: int = 1000, steps: int = 2000, exc
     run.update(run_over)
     ph = policy.hash() if policy_hash is None else policy_hash
     run["policy_hash"] = ph
+    if ranks is None:
+        per_layer: dict[int, float] = {}
+        for c in cells:
+            per_layer[c["layer"]] = per_layer.get(c["layer"], 0.0) + c["n"]
+        tp = int(run.get("tp_size") or 1)
+        ranks = [rank_row(k, lay, n / tp) for k in range(tp) for lay, n in sorted(per_layer.items())]
     return RunRollups(run=run, cells=cells, slots=slots, hists={}, steps=StepCounts(steps, exceeded, ph),
-                      now=last + 5 if now is None else now, history=history or [])
+                      now=last + 5 if now is None else now, history=history or [], ranks=ranks)
+
+
+def rank_row(rank: int, layer: int, n: float, n_empty: float = 0) -> dict[str, Any]:
+    """A rollup_ranks row: ``n`` compared calls of ``rank`` in ``layer`` (``n_empty`` that compared nothing)."""
+    return {"rank": rank, "layer": layer, "n": n, "n_empty": n_empty, "first_ts": T0, "last_ts": T0 + 600}
 
 
 def criterion(report: dict[str, Any], name: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from shadowd.judge.inputs import StepCounts
 from shadowd.judge.policy import Policy, load_policy
 from shadowd.judge.stats import lower_bound, steps_needed, upper_bound
 from shadowd.judge.verdict import INSUFFICIENT_DATA, NOT_READY, READY, judge
-from tests.judge.builders import SMALL, T0, cell, criterion, rollups, statuses
+from tests.judge.builders import SMALL, T0, cell, criterion, rank_row, rollups, statuses
 
 
 def test_baseline_is_ready() -> None:
@@ -194,6 +194,24 @@ def test_short_bucket_is_named() -> None:
     assert cov["status"] == "insufficient" and cov["buckets"] == ["bs64-t16-p17-h8"]
     cells[2]["n"] = cells[3]["n"] = 10
     assert criterion(judge(rollups(cells=cells), SMALL), "coverage")["status"] == "pass"
+
+
+def test_every_tp_rank_needs_compared_samples_in_every_layer() -> None:
+    full = [rank_row(k, lay, 500) for k in (0, 1) for lay in (0, 1)]
+    rep = judge(rollups(tp_size=4, ranks=full), SMALL)
+    cov = criterion(rep, "coverage")
+    assert rep["verdict"] == INSUFFICIENT_DATA and cov["status"] == "insufficient"
+    assert cov["detail"] == "rank 2, 3: no samples" and cov["observed"]["ranks_without_samples"] == [2, 3]
+    assert "coverage: NEED MORE DATA: rank 2, 3: no samples" in rep["reasons"]
+    # a rank whose calls all compared nothing, and one short in a layer, are named too
+    rows = [*full, rank_row(2, 0, 0, n_empty=40), rank_row(3, 0, 500), rank_row(3, 1, 9)]
+    cov = criterion(judge(rollups(tp_size=4, ranks=rows), SMALL), "coverage")
+    assert cov["detail"] == ("rank 2: no compared samples (40 compared nothing: numel 0); "
+                             "rank 3: 1 of 2 layers below 10 compared samples (layers 1)")
+    rows[-1] = rank_row(3, 1, 10)
+    rows[-3] = rank_row(2, 0, 10)
+    rows.append(rank_row(2, 1, 10))
+    assert judge(rollups(tp_size=4, ranks=rows), SMALL)["verdict"] == READY
 
 
 # ---- drift ---------------------------------------------------------------------------------------

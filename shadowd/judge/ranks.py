@@ -1,0 +1,52 @@
+"""The run's tensor-parallel ranks: which lack evidence (coverage), and which producers gave up on the candidate.
+
+A run registers ``tp_size``; every rank in [0, tp_size) runs its own shard of every layer, so a rank that never
+reports (a crashed worker, a misconfigured ``SHADOWD_URL``) leaves its shard unjudged: coverage needs each rank
+to have ``min_cell_samples`` compared calls in every layer (from rollup_ranks). Calls that compared nothing
+(``numel`` 0 and no error) do not count.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from shadowd.judge.inputs import RunRollups
+
+__all__ = ["rank_gaps"]
+
+
+def _listed(xs: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(x) for x in xs[:limit])
+    return shown + (f" and {len(xs) - limit} more" if len(xs) > limit else "")
+
+
+def rank_gaps(r: RunRollups, need: int) -> tuple[list[str], dict[str, Any]]:
+    """What rank coverage lacks: one line per gap (``rank 2, 3: no samples``; empty when every rank in
+    [0, tp_size) has ``need`` compared calls in every layer) and what was observed."""
+    tp = max(1, int(r.run.get("tp_size") or 1))
+    num_layers = int(r.run.get("num_layers") or 0)
+    n: dict[tuple[int, int], float] = defaultdict(float)
+    empty: dict[int, float] = defaultdict(float)
+    for row in r.ranks:
+        n[(int(row["rank"]), int(row["layer"]))] += float(row.get("n") or 0)
+        empty[int(row["rank"])] += float(row.get("n_empty") or 0)
+    layers = sorted(set(range(num_layers)) | {lay for _, lay in n})
+    silent = [k for k in range(tp) if not any(n.get((k, lay), 0.0) for lay in layers)]
+    parts = []
+    if nothing := [k for k in silent if not empty.get(k)]:
+        parts.append(f"rank {_listed(nothing)}: no samples")
+    for k in silent:
+        if empty.get(k):
+            parts.append(f"rank {k}: no compared samples ({int(empty[k])} compared nothing: numel 0)")
+    short: dict[int, list[int]] = {}
+    for k in range(tp):
+        lays = [lay for lay in layers if n.get((k, lay), 0.0) < need]
+        if k not in silent and lays:
+            short[k] = lays
+            parts.append(f"rank {k}: {len(lays)} of {len(layers)} layers below {need} compared samples "
+                         f"(layers {_listed(lays)})")
+    least = min((n.get((k, lay), 0.0) for k in range(tp) for lay in layers), default=0.0)
+    observed = {"ranks": tp, "ranks_without_samples": silent, "ranks_short": sorted(short),
+                "min_rank_layer_samples": least}
+    return parts, observed
