@@ -77,17 +77,18 @@ class Evaluator:
         return report
 
     def latest_or_evaluate(self, run_id: int, now: float | None = None,
-                           run: dict[str, Any] | None = None) -> dict[str, Any]:
+                           run: dict[str, Any] | None = None, gave_up: bool = False) -> dict[str, Any]:
         """The latest stored evaluation of the run; evaluates now when it has none yet.
 
         Hard failures are immediate: when the run (``run``, its row) has a candidate non-finite
-        mismatch or error that the stored evaluation does not reflect yet, it is evaluated now.
-        That can only demote, never promote, so polling still cannot make a candidate READY.
+        mismatch or error, or a producer of it disabled its candidate or fell back (``gave_up``), that the
+        stored evaluation does not reflect yet, it is evaluated now. That can only demote, never promote,
+        so polling still cannot make a candidate READY.
         """
         prev = self.previous(run_id)
         if prev is None:
             return self.evaluate(run_id, now)
-        hard = run is not None and (run.get("n_cand_nonfinite") or run.get("n_errors"))
+        hard = gave_up or (run is not None and (run.get("n_cand_nonfinite") or run.get("n_errors")))
         if hard and prev.get("verdict") != NOT_READY:
             return self.evaluate(run_id, now)
         return prev

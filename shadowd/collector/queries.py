@@ -41,10 +41,11 @@ def producers_of(engine: Engine, run_id: int) -> list[dict[str, Any]]:
 
 
 def producer_notes(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """The producers of a run that reported why their candidate was disabled or fell back, by rank."""
+    """The producers of a run whose candidate was disabled or fell back (flag or reason reported), by rank."""
     p = t.producers.c
     q = (select(p.rank, p.producer, p.disabled_reason, p.fallback_reason)
-         .where(p.run_id == run_id, (p.disabled_reason.is_not(None)) | (p.fallback_reason.is_not(None)))
+         .where(p.run_id == run_id, (p.disabled > 0) | (p.fallback > 0) | (p.disabled_reason.is_not(None))
+                | (p.fallback_reason.is_not(None)))
          .order_by(p.rank, p.first_seen))
     with engine.connect() as conn:
         return [dict(r) for r in conn.execute(q).mappings()]

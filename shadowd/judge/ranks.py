@@ -4,6 +4,12 @@ A run registers ``tp_size``; every rank in [0, tp_size) runs its own shard of ev
 reports (a crashed worker, a misconfigured ``SHADOWD_URL``) leaves its shard unjudged: coverage needs each rank
 to have ``min_cell_samples`` compared calls in every layer (from rollup_ranks). Calls that compared nothing
 (``numel`` 0 and no error) do not count.
+
+A producer (one process of a rank) that disabled its candidate or whose on mode fell back to the baseline saw the
+candidate fail, even when the samples that showed it were dropped on the way (a full spool) or never sent: the
+``producers`` criterion fails, naming the rank and the producer's own note. Every producer of the run counts,
+also one whose rank has restarted since (a restarted process is a new producer): like a hard failure, it holds
+for the rest of the run.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ from collections import defaultdict
 from typing import Any
 
 from shadowd.judge.inputs import RunRollups
+from shadowd.judge.policy import Policy
+from shadowd.judge.report import FAIL, PASS, Criterion
 
-__all__ = ["rank_gaps"]
+__all__ = ["producers", "rank_gaps"]
 
 
 def _listed(xs: list[int], limit: int = 8) -> str:
@@ -50,3 +58,26 @@ def rank_gaps(r: RunRollups, need: int) -> tuple[list[str], dict[str, Any]]:
     observed = {"ranks": tp, "ranks_without_samples": silent, "ranks_short": sorted(short),
                 "min_rank_layer_samples": least}
     return parts, observed
+
+
+def producers(r: RunRollups, p: Policy) -> Criterion:
+    """No producer of the run disabled its candidate or fell back to the baseline (sticky for the run)."""
+    lines: list[str] = []
+    flagged: list[dict[str, Any]] = []
+    for row in sorted(r.producers, key=lambda x: (int(x.get("rank") or 0), float(x.get("first_seen") or 0.0))):
+        disabled = bool(row.get("disabled")) or row.get("disabled_reason") is not None
+        fallback = bool(row.get("fallback")) or row.get("fallback_reason") is not None
+        if not (disabled or fallback):
+            continue
+        who = f"rank {int(row.get('rank') or 0)} (producer {str(row.get('producer', ''))[:12]})"
+        if disabled:
+            lines.append(f"{who}: candidate disabled: {row.get('disabled_reason') or 'no reason reported'}")
+        if fallback:
+            lines.append(f"{who}: on mode fell back to the baseline: "
+                         f"{row.get('fallback_reason') or 'no reason reported'}")
+        flagged.append({k: row.get(k) for k in ("rank", "producer", "disabled_reason", "fallback_reason")})
+    observed = {"producers": len(r.producers), "gave_up": len(flagged)}
+    if lines:
+        return Criterion("producers", FAIL, observed, {"gave_up": 0}, "; ".join(lines), extra={"flagged": flagged})
+    return Criterion("producers", PASS, observed, {"gave_up": 0},
+                     f"none of the run's {len(r.producers)} producers disabled its candidate or fell back")

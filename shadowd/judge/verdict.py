@@ -5,7 +5,8 @@
 report. Verdicts:
 
 - READY: every criterion passed, and kept passing for K evaluations over M minutes;
-- NOT_READY: a criterion failed (hard failure, tolerance, oracle, exceedance rate, drift);
+- NOT_READY: a criterion failed (hard failure, a producer that disabled its candidate or fell back, tolerance,
+  oracle, exceedance rate, drift);
 - INSUFFICIENT_DATA: nothing failed, but something still lacks evidence (too few steps for the
   binomial bound, requests, time span, coverage, or the hysteresis streak).
 """
@@ -18,12 +19,13 @@ from shadowd.judge import criteria as c
 from shadowd.judge.hysteresis import hysteresis
 from shadowd.judge.inputs import RunRollups
 from shadowd.judge.policy import Policy
+from shadowd.judge.ranks import producers
 from shadowd.judge.report import INSUFFICIENT_DATA, NOT_READY, PASS, READY, Criterion, combine, jsonable
 
 __all__ = ["CRITERIA", "INSUFFICIENT_DATA", "NOT_READY", "READY", "evaluate_criteria", "judge"]
 
 #: the statistical criteria in report order (hysteresis comes last, from the stored history)
-CRITERIA = (c.hard_failures, c.tolerance, c.oracle, c.exceedance, c.requests, c.time_span, c.coverage,
+CRITERIA = (c.hard_failures, producers, c.tolerance, c.oracle, c.exceedance, c.requests, c.time_span, c.coverage,
             c.drift, c.baseline_events)
 
 

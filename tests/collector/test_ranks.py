@@ -82,3 +82,37 @@ def test_migration_0006_fills_rank_rollups_from_what_is_stored(db_url):
             assert conn.execute(text("SELECT count(*) FROM rollup_cells")).scalar_one() == 3
     finally:
         engine.dispose()
+
+
+def test_a_producer_that_disabled_its_candidate_makes_the_run_not_ready(db_url, make_client, tmp_path):
+    """Rank 1's hook disabled the candidate and its error samples never arrived: NOT_READY, naming the rank and
+    the hook's note, at once and for the rest of the run (its restarted process reports clean batches)."""
+    policy = tmp_path / "p.toml"
+    policy.write_text("min_requests = 0\nmin_span_s = 0\nmin_cell_samples = 1\nhysteresis_k = 1\n"
+                      "hysteresis_minutes = 0\ntarget_rate = 0.5\nconfidence = 0.6\ndrift_min_samples = 1\n")
+    c = make_client(db_url, policy_file=policy)
+    run_id = register(c, run_body(num_layers=2, tp_size=2))
+    other = register(c, run_body(num_layers=2, tp_size=2))
+    for rank in (0, 1):
+        assert post_msgpack(c, run_id, make_batch(40, num_layers=2, rank=rank, producer=f"p{rank}")).status_code == 200
+    first = c.get("/readiness", params={"run_id": run_id}).json()
+    assert next(x for x in first["criteria"] if x["name"] == "producers")["status"] == "pass"
+    note = "5 consecutive candidate errors (exception:RuntimeError)"
+    gave_up = {**make_batch(40, num_layers=2, rank=1, producer="p1", seq=1, step0=20),
+               "producer_stats": {"disabled": 1}, "producer_notes": {"disabled_reason": note}}
+    assert post_msgpack(c, run_id, gave_up).status_code == 200
+    report = c.get("/readiness", params={"run_id": run_id}).json()
+    assert report["verdict"] == "NOT_READY"
+    crit = next(x for x in report["criteria"] if x["name"] == "producers")
+    assert crit["status"] == "fail" and crit["detail"] == f"rank 1 (producer p1): candidate disabled: {note}"
+    assert f"producers: FAIL: rank 1 (producer p1): candidate disabled: {note}" in report["reasons"]
+    # the rank restarts (a new producer) and reports clean batches: still NOT_READY
+    restarted = make_batch(40, num_layers=2, rank=1, producer="p1-restarted", step0=40)
+    assert post_msgpack(c, run_id, restarted).status_code == 200
+    assert c.app.state.evaluator.evaluate(run_id)["verdict"] == "NOT_READY"
+    # a fallback without a note is named too; another run's producers do not count
+    fell = {**make_batch(40, num_layers=2, rank=0, producer="q0"), "producer_stats": {"fallback": 1}}
+    assert post_msgpack(c, other, fell).status_code == 200
+    assert c.app.state.evaluator.evaluate(run_id)["reasons"] == report["reasons"]
+    crit = next(x for x in c.app.state.evaluator.evaluate(other)["criteria"] if x["name"] == "producers")
+    assert crit["detail"] == "rank 0 (producer q0): on mode fell back to the baseline: no reason reported"

@@ -64,6 +64,17 @@ def test_baseline_only_nonfinite_is_reported_not_held_against_candidate() -> Non
     assert ev["observed"] == 3 and ev["layers"] == [0] and ev["informational"]
 
 
+def test_a_producer_that_gave_up_on_the_candidate_is_not_ready() -> None:
+    clean = {"rank": 0, "producer": "a", "disabled": 0, "fallback": 0, "disabled_reason": None,
+             "fallback_reason": None, "first_seen": T0}
+    assert judge(dataclasses.replace(rollups(), producers=[clean]), SMALL)["verdict"] == READY
+    gave_up = {**clean, "rank": 3, "producer": "b", "disabled": 1, "disabled_reason": "candidate_flag:0x1",
+               "first_seen": T0 + 1}
+    rep = judge(dataclasses.replace(rollups(), producers=[clean, gave_up]), SMALL)
+    assert rep["verdict"] == NOT_READY
+    assert rep["reasons"][0] == "producers: FAIL: rank 3 (producer b): candidate disabled: candidate_flag:0x1"
+
+
 # ---- tolerance -----------------------------------------------------------------------------------
 def test_tolerance_exactly_at_threshold_passes() -> None:
     tol = SMALL.tol("rel_l2_max")

@@ -42,11 +42,12 @@ async def readiness(request: Request, state: State,
 
     def work() -> dict[str, Any]:
         run = queries.run_row(state.engine, run_id)
-        report = ev.latest_or_evaluate(run["id"], run=run)
+        notes = queries.producer_notes(state.engine, run["id"])
+        report = ev.latest_or_evaluate(run["id"], run=run, gave_up=bool(notes))
         # the end-to-end effect beside the verdict: SGLang's accept length in each mode of the run
         spec = queries.speculative(state.engine, run["id"])
         return {"run_id": run["id"], "run_key": run["run_key"], **report, "speculative": spec,
-                "producer_notes": queries.producer_notes(state.engine, run["id"])}
+                "producer_notes": notes}
 
     report = await run_in_threadpool(work)
     return JSONResponse(report, status_code=200 if report["verdict"] == READY else 503)
