@@ -217,8 +217,29 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
         floor = policy.ulp * np.where(np.isfinite(scale), scale, 0.0)
         ratio = c["oracle_cand_err"] / (c["oracle_base_err"] + floor)
     m = _measures(b, np.zeros(b.n, dtype=bool), scaled, ratio)
-    exceeded = policy.exceeds({**c, "error_flag": m["_err"]})
+    done = compared(c, m["_err"])
+    exceeded = policy.exceeds({**c, "error_flag": m["_err"]}) & done
     m["n_exceed"] = exceeded.astype(np.float64)
+    ranks = _rank_rows(run_id, c["rank"], c["layer"], done, c["ts"])
+    errors = _error_kinds(run_id, c["error"], c["ts"])
+    everything = {
+        "n_samples": b.n,
+        "n_errors": int(m["_err"].sum()),
+        "n_cand_nonfinite": int((c["cand_nonfinite"] > 0).sum()),
+        "n_base_nonfinite": int((c["base_nonfinite"] > 0).sum()),  # a baseline event, evidence or not
+        "n_exceed": int(exceeded.sum()),
+        "max_ts": float(c["ts"].max()),
+    }
+    if not done.all():
+        # calls that compared nothing are stored (and counted in rollup_ranks) but are no evidence: the
+        # cells, time slots, histograms, steps, requests and sample times below are of the others only
+        keep = np.flatnonzero(done)
+        c = {k: v[keep] for k, v in c.items() if isinstance(v, np.ndarray)}
+        m = {k: v[keep] for k, v in m.items()}
+        scaled, ratio = scaled[keep], ratio[keep]
+        if not len(keep):
+            none = Rows((), [])
+            return Deltas(none, none, none, none, {**everything, **_NO_EVIDENCE}, exceeded, errors, ranks)
 
     layer = c["layer"]
     bs_b = _pow2_ceil(c["batch_size"])
@@ -275,24 +296,23 @@ def compute_deltas(run_id: int, b: ValidBatch, policy: Policy, time_bucket_s: in
         "run_id": [run_id] * g,
         "step": grp.keys[:, 0].tolist(),
         "n_calls": np.bincount(grp.inv, minlength=g).tolist(),
-        "exceeded": (np.bincount(grp.inv, weights=exceeded.astype(np.float64), minlength=g) > 0).astype(int).tolist(),
+        "exceeded": (np.bincount(grp.inv, weights=m["n_exceed"], minlength=g) > 0).astype(int).tolist(),
         "first_ts": grp.reduce(np.fmin, ts).tolist(),
     })
 
     rank0_layer0 = (c["rank"] == 0) & (layer == 0)
     run = {
-        "n_samples": b.n,
-        "n_errors": int(m["_err"].sum()),
-        "n_cand_nonfinite": int((c["cand_nonfinite"] > 0).sum()),
-        "n_base_nonfinite": int((c["base_nonfinite"] > 0).sum()),
-        "n_exceed": int(exceeded.sum()),
+        **everything,
         "n_requests": int(c["new_requests"][rank0_layer0].sum()),
         "n_oracle": int(m["_oracle"].sum()),
         "first_sample_ts": float(ts.min()),
         "last_sample_ts": float(ts.max()),
     }
-    return Deltas(cells, slots, hists, steps, run, exceeded, _error_kinds(run_id, c["error"], ts),
-                  _rank_rows(run_id, c["rank"], layer, compared(c, m["_err"]), ts))
+    return Deltas(cells, slots, hists, steps, run, exceeded, errors, ranks)
+
+
+#: the run counters of a batch in which no call compared anything (evidence: none)
+_NO_EVIDENCE = {"n_requests": 0, "n_oracle": 0, "first_sample_ts": None, "last_sample_ts": None}
 
 
 def compared(c: dict[str, Any], err: np.ndarray) -> np.ndarray:

@@ -302,7 +302,7 @@ class Store:
 
         r = d.run
         with self._storing("seq"):  # the batch's row: its producer, seq, size and newest time
-            cur.execute(q["claim"], (run_id, job.producer, job.seq, job.digest, job.n, now, r["last_sample_ts"]))
+            cur.execute(q["claim"], (run_id, job.producer, job.seq, job.digest, job.n, now, r["max_ts"]))
         claimed = cur.fetchone()
         if claimed is None:
             cur.execute(q["digest"], (run_id, job.producer, job.seq))
@@ -353,8 +353,9 @@ class Store:
                     f"n_errors = n_errors + {m}, n_cand_nonfinite = n_cand_nonfinite + {m}, "
                     f"n_base_nonfinite = n_base_nonfinite + {m}, n_exceed = n_exceed + {m}, "
                     f"n_requests = n_requests + {m}, n_oracle = n_oracle + {m}, "
-                    f"first_sample_ts = COALESCE({lo}(first_sample_ts, {m}), {m}), "
-                    f"last_sample_ts = COALESCE({hi}(last_sample_ts, {m}), {m}), "
+                    # a batch whose calls all compared nothing has no sample times (NULL): keep the run's
+                    f"first_sample_ts = COALESCE({lo}(first_sample_ts, {m}), first_sample_ts, {m}), "
+                    f"last_sample_ts = COALESCE({hi}(last_sample_ts, {m}), last_sample_ts, {m}), "
                     f"last_ingest_at = {m}, policy_hash = {m} WHERE id = {m}"
                 ),
             }

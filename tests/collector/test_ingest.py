@@ -272,3 +272,42 @@ def test_speculative_accept_length_per_mode(db_url, make_client):
     reg = c.app.state.metrics.registry
     assert reg.get_sample_value("shadowd_spec_accept_length", {"run": str(run_id), "mode": "on"}) == 2.5
     assert reg.get_sample_value("shadowd_spec_verify_passes_total", {"run": str(run_id), "mode": "validate"}) == 25
+
+
+def test_calls_that_compared_nothing_are_stored_but_are_no_evidence(db_url, make_client):
+    """numel is the output elements compared: a call with none and no error (every baseline value NaN, say) is
+    stored, but counts toward no coverage, tolerance, exceedance, steps, requests or sample times."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=2))
+    n = 40  # 20 steps of 2 layers; steps 10..19 compared nothing, with statistics that would exceed
+    empty = [i >= 20 for i in range(n)]
+    batch = make_batch(n, num_layers=2, ts0=1.7e9, numel=[0 if e else 4096 for e in empty],
+                       rel_l2=[0.5 if e else 3e-3 for e in empty], base_nonfinite=[4096 if e else 0 for e in empty])
+    assert post_msgpack(c, run_id, batch).status_code == 200
+    # a batch in which nothing was compared at all, much later: stored, and no sample time moves
+    late = make_batch(8, num_layers=2, seq=1, step0=100, ts0=1.7e9 + 3600, numel=0, rel_l2=float("nan"))
+    assert post_msgpack(c, run_id, late).status_code == 200
+    assert count_rows(db_url, t.samples, run_id=run_id) == n + 8
+
+    run = c.get(f"/v1/runs/{run_id}").json()
+    assert run["samples"] == n + 8 and run["exceeded_calls"] == 0
+    assert run["first_sample_ts"] == 1.7e9 and run["last_sample_ts"] == 1.7e9 + 9 * 0.05
+    assert run["requests"] == sum(batch["samples"]["new_requests"][:20])
+    layers = c.get(f"/v1/runs/{run_id}/layers").json()["layers"]
+    assert [row["samples"] for row in layers] == [10, 10] and max(row["max_rel_l2"] for row in layers) < 0.01
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            steps = conn.execute(select(t.steps.c.step).where(t.steps.c.run_id == run_id)).scalars().all()
+            ranks = conn.execute(select(t.ranks.c.layer, t.ranks.c.n, t.ranks.c.n_empty)
+                                 .where(t.ranks.c.run_id == run_id).order_by(t.ranks.c.layer)).all()
+            slots = conn.execute(select(t.timeslots.c.t).where(t.timeslots.c.run_id == run_id)).scalars().all()
+    finally:
+        engine.dispose()
+    assert sorted(steps) == list(range(10))
+    assert [tuple(r) for r in ranks] == [(0, 10, 14), (1, 10, 14)]
+    assert max(slots) < 1.7e9 + 3600
+    report = c.get("/readiness", params={"run_id": run_id}).json()
+    ex = next(x for x in report["criteria"] if x["name"] == "exceedance")
+    assert ex["observed"]["steps"] == 10 and ex["observed"]["exceeding_steps"] == 0
+    assert next(x for x in report["criteria"] if x["name"] == "tolerance")["status"] == "pass"
