@@ -35,7 +35,7 @@ from shadowd.wire import (
     samples_digest,
 )
 
-__all__ = ["DIGEST_PREFIX", "MAX_SAMPLES", "BadBatch", "ValidBatch", "columns_digest", "parse_batch"]
+__all__ = ["DIGEST_PREFIX", "MAX_SAMPLES", "BadBatch", "ValidBatch", "check_clock", "columns_digest", "parse_batch"]
 
 MAX_SAMPLES = 200_000
 _BY_NAME = {c.name: c for c in COLUMNS}
@@ -346,3 +346,15 @@ def parse_batch(body: Any) -> ValidBatch:
         stored_hist=stored_hist,
         raw=raw,
     )
+
+
+def check_clock(b: ValidBatch, received_at: float, max_ahead_s: float) -> None:
+    """Refuse a batch holding a sample time more than ``max_ahead_s`` after ``received_at`` (the collector's
+    clock when the batch arrived): a producer whose clock runs ahead would put its samples in the future and
+    skew every recency window. Past times stay accepted (a spooled batch is replayed hours late)."""
+    ts = b.cols["ts"]
+    if (ahead := ts > received_at + max_ahead_s).any():
+        i = _first_bad(ahead)
+        raise BadBatch(f"samples.ts[{i}]", f"{ts[i]:.3f} is {ts[i] - received_at:.0f} s ahead of the collector's "
+                                           f"clock (at most {max_ahead_s:g} s, SHADOWD_MAX_CLOCK_SKEW_S): check the "
+                                           "producer's clock")

@@ -33,6 +33,9 @@ class CollectorSettings(BaseSettings):
     )
     retention_interval_s: float = Field(300.0, gt=0, description="how often retention runs")
     time_bucket_s: int = Field(60, ge=1, description="width of the per-time rollup buckets")
+    max_clock_skew_s: float = Field(
+        300.0, ge=0, description="sample times further than this ahead of the collector's clock are refused (422)"
+    )
     store_samples: bool = Field(True, description="keep raw samples (rollups are always kept)")
     policy_file: Path | None = Field(None, description="readiness policy (TOML/JSON); defaults otherwise")
     eval_interval_s: float = Field(15.0, gt=0, description="cadence of stored readiness evaluations")

@@ -109,7 +109,7 @@ def test_candidate_errors_are_rolled_up_by_kind_and_named_in_the_verdict(db_url,
     assert post_msgpack(c, run_id, make_batch(40, seq=0, error=errs)).status_code == 200
     errs2 = [None] * 40
     errs2[0] = "candidate_flag:0x1"
-    assert post_msgpack(c, run_id, make_batch(40, seq=1, step0=10, ts0=1.8e9 + 100, error=errs2)).status_code == 200
+    assert post_msgpack(c, run_id, make_batch(40, seq=1, step0=10, ts0=1.7e9 + 100, error=errs2)).status_code == 200
     engine = create_engine(db_url)
     try:
         with engine.connect() as conn:
@@ -233,7 +233,7 @@ def test_packed_columns_are_validated(fresh_sqlite, make_client):
     short = make_batch(6, packed=True)
     short["samples"]["ts"] = short["samples"]["ts"][:-8]
     negative = make_batch(6, packed=True, nan_base=[0, 0, -1, 0, 0, 0])
-    nan_ts = make_batch(6, packed=True, ts=[1.8e9, float("nan"), 1.8e9, 1.8e9, 1.8e9, 1.8e9])
+    nan_ts = make_batch(6, packed=True, ts=[1.7e9, float("nan"), 1.7e9, 1.7e9, 1.7e9, 1.7e9])
     huge = make_batch(6, packed=True, heads=[8, 8, 8, 2**31, 8, 8])
     packed_str = make_batch(6, packed=True)
     packed_str["samples"]["mode"] = b"validate"

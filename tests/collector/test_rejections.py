@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 import pytest
 from sqlalchemy import create_engine
@@ -80,6 +82,8 @@ def _cases():
         # bounds that keep the rollups' sums and time buckets exact (each was a 500 or a corrupt rollup before)
         ("timestamp in milliseconds", with_value("ts", 0, 1.7e12), 422, "samples.ts[0]"),
         ("timestamps centuries apart", with_value("ts", 1, 1e20), 422, "samples.ts[1]"),
+        ("timestamp an hour ahead of the collector's clock", lambda: with_value("ts", 3, time.time() + 3600)(),
+         422, "samples.ts[3]"),
         ("step beyond 2^53", with_value("step", 1, 2**62), 422, "samples.step[1]"),
         ("numel beyond 2^48", with_value("numel", 2, 2**63 - 1), 422, "samples.numel[2]"),
         # NUL characters: PostgreSQL text cannot hold them (it answered 503 "retry later")
@@ -277,3 +281,22 @@ def test_a_run_value_the_database_refuses_is_422(db_url, make_client):
     assert r.json()["detail"]["field"] == "body" and "refused" in r.json()["detail"]["error"]
     assert count_rows(db_url, t.runs) == 0
     assert c.post("/v1/runs", json=run_body()).status_code == 201
+
+
+def test_sample_times_ahead_of_the_collector_clock_are_refused_past_ones_kept(fresh_sqlite, make_client):
+    """A producer clock running ahead would put samples in the future of every recency window: beyond
+    SHADOWD_MAX_CLOCK_SKEW_S (300 s) ahead of the collector's receive time, 422 naming the sample. A batch
+    replayed from a spool hours late is accepted."""
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=4))
+    now = time.time()
+    ahead = make_batch(8, ts0=now - 1)
+    ahead["samples"]["ts"][5] = now + 400
+    r = post_msgpack(c, run_id, ahead)
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "samples.ts[5]"
+    assert "ahead of the collector's clock" in r.json()["detail"]["error"]
+    _nothing_stored(fresh_sqlite)
+    assert post_msgpack(c, run_id, make_batch(8, seq=1, ts0=now + 200)).status_code == 200  # within the skew
+    assert post_msgpack(c, run_id, make_batch(8, seq=2, ts0=now - 6 * 3600)).status_code == 200  # spooled
+    strict = make_client(fresh_sqlite, max_clock_skew_s=10)
+    assert post_msgpack(strict, run_id, make_batch(8, seq=3, ts0=time.time() + 60)).status_code == 422

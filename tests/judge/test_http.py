@@ -19,7 +19,7 @@ from shadowd.readiness_cli import readiness_command
 from shadowd.wire import MSGPACK, encode_msgpack
 from tests.factories import make_batch, run_body
 
-TS0 = 1.8e9
+TS0 = 1.7e9
 
 
 class Env:

@@ -96,7 +96,8 @@ def seed_run(client: httpx.Client | Any, minutes: int = 40, key: str = "seeded-r
 
 def feed(client: httpx.Client | Any, run_id: int, seq: int, producer: str = "p-live") -> None:
     """One more batch of live traffic (a second rank, reporting a spool and drops)."""
-    b = _batch(seq, time.time() - 0.05 * 40, producer=producer, rank=0, spool=5 + seq, dropped=seq)
+    # its 40 steps end now (make_batch stamps step s at ts0 + s · 0.05 s, and this batch's steps start at seq · 40)
+    b = _batch(seq, time.time() - 0.05 * 40 * (seq + 1), producer=producer, rank=0, spool=5 + seq, dropped=seq)
     assert client.post(f"/v1/runs/{run_id}/samples", json=b).status_code == 200
 
 

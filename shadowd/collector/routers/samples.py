@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from shadowd.collector import queries
-from shadowd.collector.batch import BadBatch, ValidBatch, parse_batch
+from shadowd.collector.batch import BadBatch, ValidBatch, check_clock, parse_batch
 from shadowd.collector.deps import Authorized, RunId, State, read_body
 from shadowd.collector.errors import ApiError
 from shadowd.collector.schemas import IngestAnswer
@@ -38,12 +40,14 @@ def _decode(body: bytes, content_type: str) -> object:
 @router.post("/{run_id}/samples")
 async def ingest(run_id: RunId, request: Request, state: State) -> IngestAnswer:
     """Store one batch (one transaction). A re-delivered batch is stored once and answered as duplicate."""
+    received_at = time.time()
     body = await read_body(request, state.settings.max_body_bytes)
     decoded = _decode(body, request.headers.get("content-type", ""))
 
     def parse_and_store() -> tuple[ValidBatch, IngestResult]:
         try:
             batch = parse_batch(decoded)
+            check_clock(batch, received_at, state.settings.max_clock_skew_s)
         except BadBatch:
             queries.run_row(state.engine, run_id)  # an unknown run is the first thing wrong: 404, not the 422
             raise
