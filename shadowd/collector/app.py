@@ -80,7 +80,8 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
     registry.register(RollupExporter(engine, settings.metrics_active_hours))
     store = Store(engine, policy, settings.time_bucket_s, settings.store_samples)
     state = AppState(settings=settings, engine=engine, store=store, policy=policy, metrics=metrics)
-    evaluator = Evaluator(engine, policy, metrics, settings.eval_interval_s, settings.metrics_active_hours)
+    evaluator = Evaluator(engine, policy, metrics, settings.eval_interval_s, settings.metrics_active_hours,
+                          settings.time_bucket_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -34,8 +34,9 @@ class Evaluator:
     """Evaluates runs, stores the reports, exports the verdicts."""
 
     def __init__(self, engine: Engine, policy: Policy, metrics: CollectorMetrics | None = None,
-                 interval_s: float = 15.0, active_hours: float = 24.0) -> None:
+                 interval_s: float = 15.0, active_hours: float = 24.0, time_bucket_s: float = 60.0) -> None:
         self.engine = engine
+        self.time_bucket_s = time_bucket_s
         self.policy = policy
         self.metrics = metrics
         self.interval_s = interval_s
@@ -59,7 +60,7 @@ class Evaluator:
         now = time.time() if now is None else now
         prev = self.previous(run_id)
         snap = queries.load_rollups(self.engine, run_id, now=now, recent_s=self.policy.drift_window_s,
-                                    history=[prev] if prev else [])
+                                    history=[prev] if prev else [], time_bucket_s=self.time_bucket_s)
         report = judge(snap, self.policy)
         report["run_key"] = snap.run["run_key"]
         with self.engine.begin() as conn:
@@ -109,7 +110,8 @@ class Evaluator:
 
     def layers(self, run_id: int, now: float | None = None) -> dict[str, Any]:
         """The per-layer readiness table of a run, from its rollups."""
-        snap = queries.load_rollups(self.engine, run_id, now=now, recent_s=self.policy.drift_window_s)
+        snap = queries.load_rollups(self.engine, run_id, now=now, recent_s=self.policy.drift_window_s,
+                                    time_bucket_s=self.time_bucket_s)
         return {"run_id": run_id, "num_layers": snap.run["num_layers"], "policy_hash": self.policy.identity(),
                 "tolerance_hash": self.policy.hash(), "layers": layer_table(snap, self.policy)}
 

@@ -97,8 +97,9 @@ def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
 
 
 def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s: float = 900.0,
-                 history: list[dict[str, Any]] | None = None) -> RunRollups:
-    """A judge snapshot of run ``run_id`` (rollup tables only)."""
+                 history: list[dict[str, Any]] | None = None, time_bucket_s: float = 60.0) -> RunRollups:
+    """A judge snapshot of run ``run_id`` at ``now`` (rollup tables only); the recent window is the ``recent_s``
+    before ``now``."""
     now = time.time() if now is None else now
     run = run_row(engine, run_id)
     with engine.connect() as conn:
@@ -111,10 +112,9 @@ def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s
         total, exceeded = conn.execute(
             select(func.count(), func.coalesce(func.sum(s.exceeded), 0)).where(s.run_id == run_id)
         ).one()
-        last = run["last_sample_ts"] or now
         recent_total, recent_exc = conn.execute(
             select(func.count(), func.coalesce(func.sum(s.exceeded), 0))
-            .where((s.run_id == run_id) & (s.first_ts >= last - recent_s))
+            .where((s.run_id == run_id) & (s.first_ts >= now - recent_s))
         ).one()
         e = t.errors.c
         errors = {str(r[0]): int(r[1]) for r in conn.execute(select(e.error, e.n).where(e.run_id == run_id))}
@@ -122,7 +122,7 @@ def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s
     steps = StepCounts(int(total), int(exceeded), run["policy_hash"], int(recent_total), int(recent_exc))
     return RunRollups(run=run, cells=_cells(engine, run_id), slots=slots, hists=dict(hists), steps=steps,
                       now=now, history=history or [], errors=errors, ranks=ranks,
-                      producers=producers_of(engine, run_id))
+                      producers=producers_of(engine, run_id), time_bucket_s=time_bucket_s)
 
 
 def runs_for_metrics(engine: Engine, since: float) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ exceedance rate, traffic volume, coverage and drift. Hysteresis and the fingerpr
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from typing import Any
@@ -266,12 +267,23 @@ def requests(r: RunRollups, p: Policy) -> Criterion:
 
 
 def time_span(r: RunRollups, p: Policy) -> Criterion:
-    """Span of sample timestamps (first to last sample)."""
+    """The time compared samples cover: the time buckets (rollup_time, ``time_bucket_s`` wide) that hold any,
+    each counting its width (a gap between two counts at most one width), and never more than first-to-last
+    sample time. One sample far from the rest (a clock behind, a stray batch) adds at most one bucket width,
+    where first-to-last alone would count the whole distance; a pause in traffic counts nothing."""
+    starts = sorted({float(s["t"]) for s in r.slots if _f(s, "n") > 0})
+    width = float(r.time_bucket_s)
+    covered = sum(min(width, b - a) for a, b in itertools.pairwise(starts)) + (width if starts else 0.0)
     first, last = r.run.get("first_sample_ts"), r.run.get("last_sample_ts")
-    span = float(last - first) if first is not None and last is not None else 0.0
+    first_to_last = float(last - first) if first is not None and last is not None else 0.0
+    span = min(covered, first_to_last)
     ok = span >= p.min_span_s
-    return Criterion("time_span", PASS if ok else INSUFFICIENT, span, p.min_span_s,
-                     f"samples span {_seconds(span, p.min_span_s)} s (need {p.min_span_s:g} s)")
+    detail = f"samples span {_seconds(span, p.min_span_s)} s (need {p.min_span_s:g} s)"
+    if covered < first_to_last:
+        detail += (f": the {len(starts)} time buckets of {width:g} s that hold samples; first to last sample "
+                   f"{first_to_last:.0f} s")
+    return Criterion("time_span", PASS if ok else INSUFFICIENT, span, p.min_span_s, detail,
+                     extra={"covered_s": covered, "first_to_last_s": first_to_last})
 
 
 def _seconds(value: float, bound: float) -> str:
@@ -340,13 +352,14 @@ def _drift_check(recent: dict[str, float], hist: dict[str, float], p: Policy) ->
 
 
 def drift(r: RunRollups, p: Policy) -> Criterion:
-    """The recent window (``drift_window_s`` before the last sample) vs the run's earlier history.
+    """The recent window (``drift_window_s`` before the evaluation, ``now``) vs the run's earlier history.
 
     Judged overall and per layer where both sides hold ``drift_min_samples``; also fails when
-    the recent window's own exceedance rate is above the target with confidence.
+    the recent window's own exceedance rate is above the target with confidence. Too few samples on
+    either side overall is insufficient data: a run whose traffic stopped cannot stay READY on old data.
+    The window ends at the collector's clock, not at the newest sample, so no producer's clock moves it.
     """
-    ref = r.run.get("last_sample_ts") or r.now
-    cut = float(ref) - p.drift_window_s
+    cut = r.now - p.drift_window_s
     recent_rows = [s for s in r.slots if float(s["t"]) >= cut]
     hist_rows = [s for s in r.slots if float(s["t"]) < cut]
     rl, hl = fold_layers(recent_rows), fold_layers(hist_rows)
@@ -383,8 +396,10 @@ def drift(r: RunRollups, p: Policy) -> Criterion:
                             f"lower bound {lo:.3g} > target {p.target_rate:.3g}")
     threshold = {"ratio": p.drift_ratio, "window_s": p.drift_window_s, "min_samples": need}
     if problems:
-        return Criterion("drift", FAIL, observed, threshold, "; ".join(problems), bad_layers)
-    detail = ("recent window within the ratio of history" if judged
-              else f"not judged yet: recent {tot_r['n']:.0f} / history {tot_h['n']:.0f} samples "
-                   f"(need {need} each)")
-    return Criterion("drift", PASS, observed, threshold, detail, extra={"judged": judged})
+        return Criterion("drift", FAIL, observed, threshold, "; ".join(problems), bad_layers, extra={"judged": judged})
+    if not judged:
+        detail = (f"not enough samples to judge drift: {tot_r['n']:.0f} in the last {p.drift_window_s:g} s, "
+                  f"{tot_h['n']:.0f} before (need {need} each)")
+        return Criterion("drift", INSUFFICIENT, observed, threshold, detail, extra={"judged": judged})
+    return Criterion("drift", PASS, observed, threshold, "recent window within the ratio of history",
+                     extra={"judged": judged})

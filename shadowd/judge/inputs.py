@@ -47,7 +47,8 @@ class RunRollups:
       quarter-octave and per-layer octave histograms of the four statistics, and per-layer
       quarter-octave ones of the oracle ratio.
     - ``steps``: verify-step counts.
-    - ``now``: the evaluation time (unix seconds).
+    - ``now``: the evaluation time (unix seconds, the collector's clock): recency windows end here.
+    - ``time_bucket_s``: the width of rollup_time's buckets (the collector's ``SHADOWD_TIME_BUCKET_S``).
     - ``errors``: candidate errors per kind (the samples' ``error`` marker → count), from rollup_errors.
     - ``ranks``: rows of rollup_ranks — per (rank, layer): ``n`` calls that compared something, ``n_empty``
       calls that compared nothing (stored, no evidence), first_ts, last_ts.
@@ -65,3 +66,4 @@ class RunRollups:
     errors: dict[str, int] = field(default_factory=dict)
     ranks: list[dict[str, Any]] = field(default_factory=list)
     producers: list[dict[str, Any]] = field(default_factory=list)
+    time_bucket_s: float = 60.0

@@ -192,6 +192,21 @@ def test_requests_and_span_both_sides() -> None:
     assert "samples span 59.9 s (need 60 s)" in criterion(judge(rollups(span=59.97), SMALL), "time_span")["detail"]
 
 
+def test_one_early_outlier_does_not_make_the_time_span() -> None:
+    """The span is the time the buckets holding samples cover (at most first to last sample): a sample an
+    hour early adds one bucket width, not an hour."""
+    policy = SMALL.model_copy(update={"min_span_s": 600.0})
+    r = rollups(span=200.0, now=T0 + 205)  # 200 s of traffic, in 60 s buckets
+    r = dataclasses.replace(r, slots=[{**r.slots[0], "t": T0 + k * 60} for k in range(4)])
+    assert criterion(judge(r, policy), "time_span")["observed"] == 200.0
+    early = dataclasses.replace(r, run={**r.run, "first_sample_ts": T0 - 3600},
+                                slots=[*r.slots, {**r.slots[0], "t": T0 - 3600, "n": 1}])
+    span = criterion(judge(early, policy), "time_span")
+    assert span["status"] == "insufficient" and span["observed"] == 300.0 and span["first_to_last_s"] == 3800.0
+    assert span["detail"] == ("samples span 300 s (need 600 s): the 5 time buckets of 60 s that hold samples; "
+                              "first to last sample 3800 s")
+
+
 def test_empty_layer_is_insufficient_and_named() -> None:
     rep = judge(rollups(num_layers=3, cells=[cell(0, 1000), cell(1, 1000)]), SMALL)
     cov = criterion(rep, "coverage")
@@ -234,11 +249,26 @@ def test_drift_both_sides() -> None:
     assert statuses(rep)["tolerance"] == "pass"
 
 
-def test_drift_not_judged_with_too_little_history() -> None:
+def test_drift_not_judged_with_too_little_history_is_insufficient() -> None:
     policy = SMALL.model_copy(update={"min_cell_samples": 1})
     rep = judge(rollups(num_layers=1, n_per_layer=30, recent_rel=1e-2), policy)
     d = criterion(rep, "drift")
-    assert d["status"] == "pass" and not d["judged"]
+    assert d["status"] == "insufficient" and not d["judged"] and rep["verdict"] == INSUFFICIENT_DATA
+    assert d["detail"] == "not enough samples to judge drift: 15 in the last 100 s, 15 before (need 20 each)"
+
+
+def test_drift_window_ends_at_the_evaluation_not_at_the_newest_sample() -> None:
+    """A run whose traffic stopped is not judged on old data; one sample from a clock an hour ahead neither
+    switches drift off nor hides the recent window."""
+    stopped = judge(rollups(now=T0 + 600 + 3600), SMALL)  # the last sample an hour before the evaluation
+    d = criterion(stopped, "drift")
+    assert d["status"] == "insufficient" and stopped["verdict"] == INSUFFICIENT_DATA
+    assert d["observed"]["recent_samples"] == 0
+    r = rollups(recent_rel=1e-2)  # a drift, and one sample stamped an hour ahead of the collector
+    ahead = dataclasses.replace(r, run={**r.run, "last_sample_ts": r.now + 3600},
+                                slots=[*r.slots, {**r.slots[0], "t": r.now + 3600, "n": 1}])
+    rep = judge(ahead, SMALL)
+    assert criterion(rep, "drift")["status"] == "fail" and rep["verdict"] == NOT_READY
 
 
 def test_recent_window_exceedance_turns_verdict() -> None:
@@ -259,7 +289,7 @@ def _ev(at: float, passing: bool = True, fp: str = "fp-1", policy: Policy = HYST
 
 
 def test_hysteresis_needs_k_evaluations_over_m_minutes() -> None:
-    now = T0 + 1000
+    now = T0 + 605  # 5 s after the last sample (rollups(span=600))
     assert judge(rollups(policy=HYST, now=now, history=[_ev(now - 60), _ev(now - 30)]), HYST)["verdict"] == READY
     rep = judge(rollups(policy=HYST, now=now, history=[_ev(now - 59), _ev(now - 30)]), HYST)
     assert rep["verdict"] == INSUFFICIENT_DATA and criterion(rep, "hysteresis")["status"] == "insufficient"
@@ -269,7 +299,7 @@ def test_hysteresis_needs_k_evaluations_over_m_minutes() -> None:
 
 
 def test_new_fingerprint_starts_from_nothing() -> None:
-    now = T0 + 1000
+    now = T0 + 605  # 5 s after the last sample (rollups(span=600))
     old = [_ev(now - 300 + 30 * i, fp="fp-old") for i in range(10)]
     rep = judge(rollups(policy=HYST, now=now, history=old, fingerprint="fp-new"), HYST)
     assert rep["verdict"] == INSUFFICIENT_DATA
@@ -278,7 +308,7 @@ def test_new_fingerprint_starts_from_nothing() -> None:
 
 
 def test_stored_streak_is_continued() -> None:
-    now = T0 + 1000
+    now = T0 + 605  # 5 s after the last sample (rollups(span=600))
     prev = {**_ev(now - 15), "hysteresis": {"streak": 5, "since": now - 600}}
     rep = judge(rollups(policy=HYST, now=now, history=[prev]), HYST)
     assert rep["verdict"] == READY and rep["hysteresis"]["streak"] == 6
@@ -287,7 +317,7 @@ def test_stored_streak_is_continued() -> None:
 def test_streak_earned_under_another_policy_does_not_count() -> None:
     # the same tolerances (so the same per-call exceedance flags) but a looser confidence: its passing
     # evaluations are no evidence for READY under the stricter policy
-    now = T0 + 1000
+    now = T0 + 605  # 5 s after the last sample (rollups(span=600))
     looser = HYST.model_copy(update={"confidence": HYST.confidence - 0.05})
     assert looser.hash() == HYST.hash() and looser.identity() != HYST.identity()
     history = [_ev(now - 60, policy=looser), _ev(now - 30, policy=looser)]
@@ -298,7 +328,7 @@ def test_streak_earned_under_another_policy_does_not_count() -> None:
 
 
 def test_failing_evaluation_resets_streak() -> None:
-    now = T0 + 1000
+    now = T0 + 605  # 5 s after the last sample (rollups(span=600))
     rep = judge(rollups(policy=HYST, now=now, recent_rel=1e-2, history=[_ev(now - 60), _ev(now - 30)]), HYST)
     assert rep["verdict"] == NOT_READY and rep["hysteresis"]["streak"] == 0 and not rep["passing"]
 

@@ -23,13 +23,14 @@ TS0 = 1.7e9
 
 
 class Env:
-    def __init__(self, tmp_path: Path, policy: str | None = None, interval: float = 3600.0) -> None:
+    def __init__(self, tmp_path: Path, policy: str | None = None, interval: float = 3600.0,
+                 time_bucket_s: int = 60) -> None:
         pf = None
         if policy is not None:
             pf = tmp_path / "policy.toml"
             pf.write_text(policy)
         self.settings = CollectorSettings(db_url=f"sqlite:///{tmp_path}/shadowd.db", auto_upgrade=True,
-                                          eval_interval_s=interval, policy_file=pf)
+                                          eval_interval_s=interval, policy_file=pf, time_bucket_s=time_bucket_s)
         self.registry = CollectorRegistry()
         self.app = create_app(self.settings, self.registry)
         self.client = TestClient(self.app)
@@ -42,8 +43,9 @@ class Env:
         return int(r.json()["id"])
 
     def post(self, run_id: int, steps: int, step0: int, *, num_layers: int = 1, dt: float = 0.1,
-             rel_l2: float = 3e-3, chunk: int = 12_000, **columns: Any) -> None:
-        """``steps`` verify steps of ``num_layers`` calls from step ``step0``, at ``dt`` seconds per step."""
+             rel_l2: float = 3e-3, chunk: int = 12_000, t0: float | None = None, **columns: Any) -> None:
+        """``steps`` verify steps of ``num_layers`` calls from step ``step0``, at ``dt`` seconds per step (step
+        ``step0`` at ``t0``; default: every step at ``TS0 + step · dt``)."""
         n_total = steps * num_layers
         for start in range(0, n_total, chunk):
             n = min(chunk, n_total - start)
@@ -51,7 +53,7 @@ class Env:
             b = make_batch(n, num_layers=num_layers, seq=self.seq, step0=first_step, seed=self.seq, rel_l2=rel_l2,
                            **columns)
             step = np.asarray(b["samples"]["step"])
-            b["samples"]["ts"] = (TS0 + step * dt).tolist()
+            b["samples"]["ts"] = (TS0 + step * dt if t0 is None else t0 + (step - step0) * dt).tolist()
             r = self.client.post(f"/v1/runs/{run_id}/samples", content=encode_msgpack(b),
                                  headers={"content-type": MSGPACK})
             assert r.status_code == 200, r.text
@@ -71,9 +73,12 @@ def env(tmp_path: Path) -> Iterator[Env]:
 def test_default_policy_reaches_ready_then_drift_flips_it(env: Env) -> None:
     """The CI test: READY under the *default* policy (1e-4 at 99 %, 30 min hysteresis), then drift."""
     rid = env.run()
-    env.post(rid, 47_000, 0)  # > 46 050 exceed-free steps over 4 700 s
-    t = time.time()
-    verdicts = [env.evaluator.evaluate(rid, now=t + 600 * i)["verdict"] for i in range(4)]
+    t = time.time() - 3000  # evaluations on an explicit clock up to t + 2700, with samples up to then
+    env.post(rid, 47_000, 0, t0=t - 4700)  # > 46 050 exceed-free steps over 4 700 s
+    verdicts = [env.evaluator.evaluate(rid, now=t)["verdict"]]
+    for i in range(1, 4):  # traffic goes on: every evaluation has new samples and a recent window to judge
+        env.post(rid, 600, 47_000 + 600 * (i - 1), dt=1.0, t0=t + 600 * (i - 1))
+        verdicts.append(env.evaluator.evaluate(rid, now=t + 600 * i)["verdict"])
     assert verdicts == ["INSUFFICIENT_DATA"] * 3 + ["READY"]
 
     r = env.client.get("/readiness", params={"run_id": rid})
@@ -89,11 +94,11 @@ def test_default_policy_reaches_ready_then_drift_flips_it(env: Env) -> None:
     assert readiness_command("http://testserver", rid, client=env.client, echo=lambda s: None) == 0
 
     layers = env.client.get(f"/readiness/{rid}/layers").json()["layers"]
-    assert layers[0]["status"] == "ok" and layers[0]["samples"] == 47_000
+    assert layers[0]["status"] == "ok" and layers[0]["samples"] == 47_000 + 1_800
 
     # a slow regression: the last 15 minutes at 3.3× the error, still inside the per-call tolerance
-    env.post(rid, 9_000, 47_000, rel_l2=1e-2)
-    rep = env.evaluator.evaluate(rid, now=t + 2400)
+    env.post(rid, 9_000, 48_800, rel_l2=1e-2, t0=t + 1800)
+    rep = env.evaluator.evaluate(rid, now=t + 2700)
     assert rep["verdict"] == "NOT_READY"
     assert [c["status"] for c in rep["criteria"] if c["name"] in ("exceedance", "tolerance", "drift")] == [
         "pass", "pass", "fail"]
@@ -147,15 +152,18 @@ def test_cli_exit_codes(env: Env) -> None:
 
 def test_evaluations_run_on_a_cadence_in_the_lifespan(tmp_path: Path) -> None:
     demo = Path(__file__).parents[2] / "shadowd" / "policies" / "demo.toml"
-    e = Env(tmp_path, policy=demo.read_text(), interval=0.05)
+    e = Env(tmp_path, policy=demo.read_text(), interval=0.05, time_bucket_s=5)
     with e.client:
         rid = e.run(num_layers=2)
-        e.post(rid, 300, 0, num_layers=2)
+        e.post(rid, 300, 0, num_layers=2, t0=time.time() - 30)  # 30 s of traffic up to now
+        step = 300
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             prev = e.evaluator.previous(rid)
             if prev is not None and prev["hysteresis"]["streak"] >= 3:
                 break
+            e.post(rid, 2, step, num_layers=2, t0=time.time())  # traffic goes on
+            step += 2
             time.sleep(0.05)
         prev = e.evaluator.previous(rid)
         assert prev is not None and prev["hysteresis"]["streak"] >= 3

@@ -27,7 +27,7 @@ def get_evaluator(request: Request, state: AppState) -> Evaluator:
     ev: Evaluator | None = getattr(request.app.state, "evaluator", None)
     if ev is None:
         ev = Evaluator(state.engine, state.policy, state.metrics, state.settings.eval_interval_s,
-                       state.settings.metrics_active_hours)
+                       state.settings.metrics_active_hours, state.settings.time_bucket_s)
         request.app.state.evaluator = ev
     return ev
 
