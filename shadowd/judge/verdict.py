@@ -40,7 +40,8 @@ def judge(r: RunRollups, policy: Policy) -> dict[str, Any]:
     raw = combine(crits)
     fingerprint = str(r.run.get("candidate_fingerprint", ""))
     policy_hash = policy.identity()  # every knob: a streak earned under another policy does not count
-    hyst, state = hysteresis(raw, r.history, fingerprint, policy_hash, r.now, policy)
+    evidence = int(sum(float(c.get("n") or 0) for c in r.cells))  # compared samples judged
+    hyst, state = hysteresis(raw, r.history, fingerprint, policy_hash, r.now, policy, evidence)
     crits.append(hyst)
     verdict = combine(crits)
     failing = [x for x in crits if x.status != PASS]

@@ -314,6 +314,23 @@ def test_stored_streak_is_continued() -> None:
     assert rep["verdict"] == READY and rep["hysteresis"]["streak"] == 6
 
 
+def test_unchanged_data_holds_the_streak() -> None:
+    """An evaluation that judged no new samples neither advances the streak nor stretches its span."""
+    now = T0 + 605  # 5 s after the last sample (rollups(span=600))
+    r = rollups(policy=HYST, now=now)
+    judged = int(sum(c["n"] for c in r.cells))
+    prev = {**_ev(now - 120), "hysteresis": {"streak": 2, "since": now - 150, "advanced_at": now - 120,
+                                             "evidence": judged}}
+    rep = judge(dataclasses.replace(r, history=[prev]), HYST)
+    h = rep["hysteresis"]
+    assert rep["verdict"] == INSUFFICIENT_DATA and h["streak"] == 2 and h["span_s"] == 30 and not h["new_samples"]
+    assert "no new samples since the previous evaluation" in criterion(rep, "hysteresis")["detail"]
+    more = dataclasses.replace(r, history=[{**prev, "hysteresis": {**prev["hysteresis"], "evidence": judged - 1}}])
+    assert judge(more, HYST)["verdict"] == READY  # new samples: 3 evaluations over 150 s
+    ready = {**prev, "hysteresis": {"streak": 3, "since": now - 150, "advanced_at": now - 30, "evidence": judged}}
+    assert judge(dataclasses.replace(r, history=[ready]), HYST)["verdict"] == READY  # READY holds on unchanged data
+
+
 def test_streak_earned_under_another_policy_does_not_count() -> None:
     # the same tolerances (so the same per-call exceedance flags) but a looser confidence: its passing
     # evaluations are no evidence for READY under the stricter policy

@@ -169,3 +169,24 @@ def test_evaluations_run_on_a_cadence_in_the_lifespan(tmp_path: Path) -> None:
         assert prev is not None and prev["hysteresis"]["streak"] >= 3
         assert prev["policy"]["target_rate"] == 0.05
         assert e.metric("shadowd_readiness_evaluations_total", {"run": str(rid)}) >= 3
+
+
+def test_evaluating_unchanged_data_promotes_nothing(tmp_path: Path) -> None:
+    """The same stored samples evaluated again and again, however long, never reach READY: the streak advances
+    only when new samples arrived since the previous evaluation."""
+    e = Env(tmp_path, policy="min_requests = 10\nmin_span_s = 60\nmin_cell_samples = 10\nhysteresis_k = 3\n"
+                             "hysteresis_minutes = 1\ntarget_rate = 0.05\nconfidence = 0.9\ndrift_min_samples = 20\n")
+    try:
+        rid = e.run()
+        t = time.time() - 3600
+        e.post(rid, 1200, 0, t0=t - 1200, dt=1.0)
+        reports = [e.evaluator.evaluate(rid, now=t + 60 * i) for i in range(6)]
+        assert [r["verdict"] for r in reports] == ["INSUFFICIENT_DATA"] * 6
+        assert [r["hysteresis"]["streak"] for r in reports] == [1] * 6 and reports[-1]["hysteresis"]["span_s"] == 0
+        for i in range(6, 9):  # traffic resumes: three evaluations with new samples, over two minutes
+            e.post(rid, 60, 1200 + 60 * (i - 6), t0=t + 60 * (i - 1), dt=1.0)
+            reports.append(e.evaluator.evaluate(rid, now=t + 60 * i))
+        assert [r["hysteresis"]["streak"] for r in reports[6:]] == [2, 3, 4]
+        assert reports[-1]["verdict"] == "READY"
+    finally:
+        e.app.state.shadowd.engine.dispose()
