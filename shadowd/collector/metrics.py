@@ -3,11 +3,12 @@
 Two kinds, on one injectable registry:
 
 * process counters updated at ingest (samples, batches, duplicates, rejections, non-finite
-  and exceeding calls, last-ingest time) — per collector process;
-* series read from the rollup tables at scrape time (per-layer histograms of per-call
+  and exceeding calls) — per collector process;
+* series read from the database at scrape time (per-layer histograms of per-call
   max-abs / rel-L2 / cosine difference, coverage per layer and per shape bucket, device time,
-  producer health) — so they survive restarts, cost nothing per sample, and agree between
-  two collectors sharing one database (aggregate those with ``max``, not ``sum``).
+  producer health of each rank's latest producer, last-ingest time) — so they survive restarts,
+  cost nothing per sample, and agree between two collectors sharing one database (aggregate those
+  with ``max``, not ``sum``).
 
 Labels are bounded: ``run`` (run id), ``candidate``, ``layer``, ``rank``, ``bucket`` — never
 per step or per request; only runs with an ingest in the last ``metrics_active_hours``.
@@ -64,8 +65,6 @@ class CollectorMetrics:
                                  ["run", "layer"], registry=registry)
         self.exceeded = Counter("shadowd_exceeded_calls", "Calls beyond tolerance or failing hard",
                                 ["run", "layer"], registry=registry)
-        self.last_ingest = Gauge("shadowd_last_ingest_timestamp_seconds", "Unix time of the last stored batch",
-                                 ["run"], registry=registry)
         self.verdict = Gauge("shadowd_readiness_verdict", "1 for the run's current verdict, 0 for the others",
                              ["run", "candidate", "verdict"], registry=registry)
         self.verdict_changes = Counter("shadowd_readiness_verdict_changes", "Changes of a run's verdict",
@@ -77,7 +76,6 @@ class CollectorMetrics:
         run = str(run_id)
         self.samples.labels(run).inc(n)
         self.batches.labels(run).inc()
-        self.last_ingest.labels(run).set(time.time())
         for layer, count in _count_by(layers, exceeded).items():
             self.exceeded.labels(run, str(layer)).inc(count)
         for layer, count in _count_by(layers, cand_nonfinite).items():
@@ -132,6 +130,13 @@ class RollupExporter(Collector):
         yield from self._histograms(cells, hists)
         yield from self._coverage(runs, cells)
         yield from self._producers(prods)
+        # from the database, not the process: after a restart (or on another collector) a stalled run still
+        # shows its last batch, so ShadowdIngestStalled can fire
+        last = GaugeMetricFamily("shadowd_last_ingest_timestamp_seconds", "Unix time of the last stored batch",
+                                 labels=["run"])
+        for r in runs:
+            last.add_metric([str(r["id"])], float(r["last_ingest_at"]))
+        yield last
 
     def _histograms(self, cells: list[dict[str, Any]], hists: Sequence[Any]) -> Iterator[Metric]:
         sums: dict[tuple[int, int, str], float] = defaultdict(float)
@@ -212,12 +217,13 @@ class RollupExporter(Collector):
                 accept.add_metric([str(run_id), mode], s["accept_length"])
                 passes.add_metric([str(run_id), mode], s["verify_passes"])
         yield from (accept, passes)
+        # a rank has a new producer after each restart: its latest (the one that started last) is the rank's
+        # state now; an earlier process's figures (a candidate it disabled, say) would otherwise stay forever
+        latest: dict[tuple[int, int], dict[str, Any]] = {}
+        for p in sorted(prods, key=lambda p: (p["first_seen"], p["last_seen"])):
+            latest[(p["run_id"], p["rank"])] = p
         for col, (name, doc) in specs.items():
             fam = GaugeMetricFamily(name, doc, labels=["run", "rank"])
-            acc: dict[tuple[int, int], float] = defaultdict(float)
-            for p in prods:
-                # several producers per rank over restarts: current ones carry the live figures
-                acc[(p["run_id"], p["rank"])] += float(p[col])
-            for (run_id, rank), v in sorted(acc.items()):
-                fam.add_metric([str(run_id), str(rank)], v)
+            for (run_id, rank), p in sorted(latest.items()):
+                fam.add_metric([str(run_id), str(rank)], float(p[col]))
             yield fam

@@ -1,0 +1,42 @@
+"""/metrics series read from the database: producer health per rank and the last ingest time."""
+
+from __future__ import annotations
+
+import time
+
+from tests.collector.helpers import post_msgpack, register
+from tests.factories import make_batch, run_body
+
+
+def test_producer_gauges_follow_each_ranks_latest_producer(db_url, make_client):
+    """A rank whose process disabled the candidate and was restarted is not 'disabled' in /metrics any more
+    (the ShadowdCandidateDisabled alert clears), and its old drops are not added to the new process's."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=2))
+    old = {**make_batch(8, rank=1, producer="r1-old"), "producer_stats": {"disabled": 1, "dropped": 7}}
+    assert post_msgpack(c, run_id, old).status_code == 200
+    assert post_msgpack(c, run_id, make_batch(8, rank=0, producer="r0")).status_code == 200
+    reg = c.app.state.metrics.registry
+    rank1 = {"run": str(run_id), "rank": "1"}
+    assert reg.get_sample_value("shadowd_producer_candidate_disabled", rank1) == 1.0
+    time.sleep(0.01)  # the restarted process is first seen later
+    new = {**make_batch(8, rank=1, producer="r1-new", step0=10), "producer_stats": {"dropped": 2}}
+    assert post_msgpack(c, run_id, new).status_code == 200
+    assert reg.get_sample_value("shadowd_producer_candidate_disabled", rank1) == 0.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", rank1) == 2.0
+    assert reg.get_sample_value("shadowd_producer_candidate_disabled", {"run": str(run_id), "rank": "0"}) == 0.0
+
+
+def test_last_ingest_time_survives_a_collector_restart(fresh_sqlite, make_client):
+    """ShadowdIngestStalled needs the time of the run's last batch from a collector that has not stored one
+    since it started: the gauge is read from the database."""
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body())
+    before = time.time()
+    assert post_msgpack(c, run_id, make_batch(8)).status_code == 200
+    labels = {"run": str(run_id)}
+    first = c.app.state.metrics.registry.get_sample_value("shadowd_last_ingest_timestamp_seconds", labels)
+    assert first is not None and before <= first <= time.time()
+    restarted = make_client(fresh_sqlite)  # a new process: no ingest of its own
+    assert restarted.app.state.metrics.registry.get_sample_value("shadowd_last_ingest_timestamp_seconds",
+                                                                 labels) == first
