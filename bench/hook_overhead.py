@@ -3,6 +3,7 @@
 Measures (best of 5 repeats, per call):
 * the baseline called directly vs through ``ShadowSite`` in ``off`` mode — the off-mode overhead;
 * validate mode on an unsampled step (the sampling decision only);
+* on mode on an unchecked step (the candidate's output checked on its own, without the baseline);
 * the enqueue cost: ``Streamer.submit`` of one sample (``put_nowait``), sender thread running;
 * a full validate call on tiny tensors (statistics on the calling thread, CPU path).
 Appends a markdown block to ``bench/results/hook-<date>.md`` (``--no-write`` to skip).
@@ -86,6 +87,11 @@ def main() -> int:
     direct = per_call(lambda: base(x), n)
     off_t = per_call(lambda: off(x, layer=0), n)
     uns_t = per_call(lambda: unsampled(x, layer=0), n)
+    # on mode between spot checks: the candidate served, its output checked on its own (the CPU path: inputs'
+    # version counters, type, dtype / shape against the baseline's, NaN / Inf in the real rows)
+    unchecked = ShadowSite("b", base, cand, runtime=HookRuntime(
+        HookConfig(mode="on", spot_every=10**9), sink=lambda s: None))
+    on_t = per_call(lambda: unchecked(x, layer=0), n // 4)
     with tempfile.TemporaryDirectory() as tmp:
         client = CollectorClient("http://127.0.0.1:9", timeout=0.5)  # nothing listens: everything spools
         st = Streamer(client, 1, Spool(Path(tmp), 2**20), queue_max=10**7).start()
@@ -105,6 +111,8 @@ def main() -> int:
           f"- through ShadowSite, mode off: {off_t * 1e6:.3f} µs → off-mode overhead "
           f"{(off_t - direct) * 1e6:.3f} µs per call (goal < 2 µs)\n"
           f"- validate, unsampled step: {uns_t * 1e6:.3f} µs (overhead {(uns_t - direct) * 1e6:.3f} µs)\n"
+          f"- on, an unchecked step (candidate served, its output checked on its own): {on_t * 1e6:.3f} µs "
+          f"(overhead {(on_t - direct) * 1e6:.3f} µs)\n"
           f"- enqueue (Streamer.submit, put_nowait) with the sender running: {enq * 1e6:.3f} µs per sample\n"
           f"- full validate call, 16×64 bf16, statistics on the CPU: {full_t * 1e6:.1f} µs per call\n")
     print(md)

@@ -231,7 +231,8 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     if not capturing:
         if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
             # (an output key not seen on a compared call yet — the first call — is checked)
-            if not rt.spot_checked(rt.step) and site.check_step != rt.step and out_key(args) in site.out_metas:
+            key = out_key(args)
+            if not rt.spot_checked(rt.step) and site.check_step != rt.step and key in site.out_metas:
                 word = _flag_seen(site)
                 if word:  # raised by an earlier unchecked call: no candidate from here on
                     rt.fall_back(f"the candidate's error flag: {site.flag_text(word)}")
@@ -241,7 +242,8 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
                     site.check_step = rt.step + 1
                 out, err = site._isolated("candidate", site.candidate, *args, **kwargs)
                 if err is None:  # no tensor, or unlike the baseline's output (no values read: no synchronisation)
-                    found, ierr = site._isolated("candidate output", site.unchecked_error, out, args, b, [], True)
+                    found, ierr = site._isolated("candidate output", site.unchecked_error, out, args, b, [], True,
+                                                 key)
                     err = ierr or found
                 if err is None:
                     if layer == site.first_layer:

@@ -127,7 +127,13 @@ def _rebuilt(x: Any, copies: dict[int, torch.Tensor], depth: int = 0) -> Any:
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    return [t for a in (*args, *kwargs.values()) for t in _leaves(a)]
+    out: list[torch.Tensor] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):  # (the common case without a generator: this runs on every call)
+            out.append(a)
+        elif isinstance(a, (list, tuple, dict)):
+            out.extend(_leaves(a))
+    return out
 
 
 def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
@@ -138,15 +144,16 @@ def out_key(args: tuple[Any, ...]) -> Any:
     """What the expected output's dtype, device and trailing shape are keyed by: the first tensor argument's
     trailing shape and dtype (SGLang's verify: q's heads and width)."""
     t0 = _first_tensor(args)
-    return None if t0 is None else (tuple(t0.shape[1:]), t0.dtype)
+    return None if t0 is None else (t0.shape[1:], t0.dtype)
 
 
 def _out_meta(out: torch.Tensor, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What an output must look like for the same key (:func:`out_key`): dtype, device, rank, trailing shape and
     whether its rows follow the first tensor argument's."""
     t0 = _first_tensor(args)
-    follows = bool(t0 is not None and out.dim() and t0.dim() and out.shape[0] == t0.shape[0])
-    return out.dtype, out.device, out.dim(), tuple(out.shape[1:]), follows
+    n = out.dim()
+    follows = t0 is not None and n > 0 and t0.dim() > 0 and out.shape[0] == t0.shape[0]
+    return out.dtype, out.device, n, out.shape[1:], follows
 
 
 class ShadowSite:
@@ -256,13 +263,15 @@ class ShadowSite:
         step = rt.step
         blocked = rt.disabled or rt.fallback
         if code == 2 and not blocked and rt.config.covered(b.draft_tokens, b.prefix_len):
-            if not rt.spot_checked(step) and out_key(args) in self.out_metas:
+            key = out_key(args)
+            if not rt.spot_checked(step) and key in self.out_metas:
                 versions = [(t, t._version) for t in _tensors(args, kwargs)]
                 out, err = self._isolated("candidate", self.candidate, *args, **kwargs)
                 if err is None:
                     # between spot checks the baseline is not run, but much of what is wrong with an output is
                     # recognisable on its own: never serve it (CPU path, no device sync)
-                    found, ierr = self._isolated("candidate output", self.unchecked_error, out, args, b, versions)
+                    found, ierr = self._isolated("candidate output", self.unchecked_error, out, args, b, versions,
+                                                 False, key)
                     err = ierr or found
                 if err is None:
                     return out
@@ -288,17 +297,18 @@ class ShadowSite:
             return True
         return owner is self
 
-    def unchecked_error(self, out: Any, args: tuple[Any, ...], b: Bucket,
-                        versions: list[tuple[torch.Tensor, int]], device: bool = False) -> str | None:
+    def unchecked_error(self, out: Any, args: tuple[Any, ...], b: Bucket, versions: list[tuple[torch.Tensor, int]],
+                        device: bool = False, key: Any = None) -> str | None:
         """On mode, a call served without the baseline: what is wrong with the candidate's run that shows without
         one — an input it wrote in place, an output that is no tensor or unlike the baseline's for the same key
         (dtype, device, trailing shape, rows: :attr:`out_metas`), a NaN / Inf in a real row, a raised error word.
-        ``device``: the CUDA path, which reads no values here (that would synchronise; it has its own words)."""
+        ``device``: the CUDA path, which reads no values here (that would synchronise; it has its own words);
+        ``key``: :func:`out_key` of ``args`` when the caller has it."""
         if any(t._version != v for t, v in versions):
             return "input_modified"
         if not isinstance(out, torch.Tensor):
             return "type"
-        want = self.out_metas.get(out_key(args))
+        want = self.out_metas.get(out_key(args) if key is None else key)
         got = _out_meta(out, args)
         if want is not None and got != want:
             return "dtype" if got[0] != want[0] else "shape"
