@@ -99,7 +99,7 @@ def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
 def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s: float = 900.0,
                  history: list[dict[str, Any]] | None = None, time_bucket_s: float = 60.0) -> RunRollups:
     """A judge snapshot of run ``run_id`` at ``now`` (rollup tables only); the recent window is the ``recent_s``
-    before ``now``."""
+    before ``now``, or before the run's newest sample when that is earlier (``RunRollups.recent_end``)."""
     now = time.time() if now is None else now
     run = run_row(engine, run_id)
     with engine.connect() as conn:
@@ -112,9 +112,11 @@ def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s
         total, exceeded = conn.execute(
             select(func.count(), func.coalesce(func.sum(s.exceeded), 0)).where(s.run_id == run_id)
         ).one()
+        last = run.get("last_sample_ts")
+        end = now if last is None else min(now, float(last))  # RunRollups.recent_end
         recent_total, recent_exc = conn.execute(
             select(func.count(), func.coalesce(func.sum(s.exceeded), 0))
-            .where((s.run_id == run_id) & (s.first_ts >= now - recent_s))
+            .where((s.run_id == run_id) & (s.first_ts >= end - recent_s))
         ).one()
         e = t.errors.c
         errors = {str(r[0]): int(r[1]) for r in conn.execute(select(e.error, e.n).where(e.run_id == run_id))}

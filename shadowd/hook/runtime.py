@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -154,7 +155,7 @@ class HookRuntime:
         at ``SHADOWD_URL`` and start the background streamer; returns it. Idempotent per run_key, so every
         rank may call it. The kill switch of the answer is applied at once."""
         from shadowd.client import CollectorClient
-        from shadowd.hook.spool import Spool
+        from shadowd.hook.spool import Spool, spool_dir
         from shadowd.hook.streamer import Streamer
 
         cfg = self.config
@@ -167,8 +168,9 @@ class HookRuntime:
         answer = client.register_run(body)
         self.run_id = int(answer["id"])
         self.set_override(answer.get("mode_override"))
-        spool = Spool(cfg.spool_dir / f"rank{cfg.rank}", cfg.spool_max_bytes)  # (a directory per rank)
-        streamer = Streamer(client, self.run_id, spool, queue_max=cfg.queue_max,
+        producer = uuid.uuid4().hex
+        spool = Spool(spool_dir(cfg.spool_dir, body["run_key"], cfg.rank, producer), cfg.spool_max_bytes)
+        streamer = Streamer(client, self.run_id, spool, producer=producer, queue_max=cfg.queue_max,
                             batch_max=cfg.batch_max, flush_interval_s=cfg.flush_interval_s,
                             poll_interval_s=cfg.poll_interval_s, on_mode_override=self.set_override,
                             stats=self.producer_stats, notes=self.producer_notes)

@@ -94,6 +94,8 @@ def max_abs_chunked(a: torch.Tensor, b: torch.Tensor, rows: int) -> float:
 
 #: how deep the hook looks into list / tuple / dict arguments for tensors (to protect them from the candidate)
 NEST_MAX = 4
+#: output keys (:func:`out_key`) a site remembers the baseline's output for (on mode's unchecked calls)
+OUT_KEYS_MAX = 64
 
 
 def _leaves(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -228,6 +230,7 @@ class ShadowSite:
         #: on mode: what the baseline's output looked like per :func:`out_key` (dtype, device, trailing shape),
         #: learnt on compared calls; an unchecked call's output must match it, and a key not seen yet is checked
         self.out_metas: dict[Any, tuple[Any, ...]] = {}
+        self._step_mark = -1  # the runtime's step at this site's previous first-layer call (advances_step)
         self.consecutive_errors = 0
         self.oracle_calls = 0
         self.errors: dict[str, int] = {}
@@ -237,9 +240,9 @@ class ShadowSite:
     def _isolated(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
         try:
             return fn(*args, **kwargs), None
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, and sys.exit in a signal handler (SIGTERM): the process's
             raise
-        except BaseException as e:  # SystemExit, GeneratorExit too: foreign code never ends the serving process
+        except BaseException as e:  # GeneratorExit and other BaseExceptions raised by foreign code: samples
             err = f"exception:{type(e).__name__}"
             self.errors[what] = self.errors.get(what, 0) + 1
             if self.errors[what] <= 3:
@@ -290,11 +293,15 @@ class ShadowSite:
         and spot checks would skip whole site / layer pairs)."""
         if layer != self.first_layer:
             return False
-        ref = self.rt.step_site
+        rt = self.rt
+        ref = rt.step_site
         owner = ref() if ref is not None else None
-        if owner is None:  # the first such call, or the owner is gone (a site replaced): this one takes over
-            self.rt.step_site = weakref.ref(self)
-            return True
+        mark, self._step_mark = self._step_mark, rt.step
+        # this one takes over: the first such call; the owner is gone (a site replaced); or the owner advanced
+        # nothing since this site's previous first-layer call (it is no longer called)
+        if owner is None or (owner is not self and mark == rt.step):
+            rt.step_site = weakref.ref(self)
+            owner = self
         return owner is self
 
     def unchecked_error(self, out: Any, args: tuple[Any, ...], b: Bucket, versions: list[tuple[torch.Tensor, int]],
@@ -321,9 +328,12 @@ class ShadowSite:
         return self.flag_error(word) if word else None
 
     def learn_output(self, out_b: Any, args: tuple[Any, ...]) -> None:
-        """Remember what the baseline's output looks like for this call's key (bounded: 64 keys)."""
-        if isinstance(out_b, torch.Tensor) and len(self.out_metas) < 64:
-            self.out_metas[out_key(args)] = _out_meta(out_b, args)
+        """Remember what the baseline's output looks like for this call's key (the ``OUT_KEYS_MAX`` latest keys)."""
+        if isinstance(out_b, torch.Tensor):
+            key = out_key(args)
+            if key not in self.out_metas and len(self.out_metas) >= OUT_KEYS_MAX:  # the oldest key goes
+                self.out_metas.pop(next(iter(self.out_metas)))
+            self.out_metas[key] = _out_meta(out_b, args)
 
     @staticmethod
     def unaliased(out_b: Any, watched: list[tuple[torch.Tensor, int]]) -> Any:

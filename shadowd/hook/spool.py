@@ -13,13 +13,21 @@ A batch spooled before its run was registered carries run id 0 (``PENDING_RUN``)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["PENDING_RUN", "Spool", "SpoolEntry"]
+__all__ = ["PENDING_RUN", "Spool", "SpoolEntry", "spool_dir"]
 
 #: the run id of a batch spooled before its run was registered
 PENDING_RUN = 0
+
+
+def spool_dir(root: Path, run_key: str | None, rank: int, producer: str = "") -> Path:
+    """The spool directory of one run key's rank under ``root`` (``SHADOWD_SPOOL_DIR``): everything in it belongs
+    to that run. Without a run key (every registration a new run) it is the producer's own."""
+    name = hashlib.sha256(run_key.encode()).hexdigest()[:16] if run_key else f"producer-{producer}"
+    return Path(root) / name / f"rank{rank}"
 
 
 class SpoolEntry:

@@ -13,8 +13,9 @@
   only be spooled the thread waits up to ``flush_interval_s`` for a full one (an outage spools few large
   batches). The spool is replayed oldest first once the collector answers (with backoff meanwhile),
   ``REPLAY_ROUND`` batches per round of the loop, the queue served between rounds, so a long outage's replay
-  does not overflow the queue. A spooled batch of an earlier run (a restarted producer) goes to that run; one
-  that can no longer be read (another producer sharing the directory delivered it) is skipped.
+  does not overflow the queue. A spool directory belongs to one run key: what a process of the same key left
+  there (a restarted worker) goes to this run; a batch that can no longer be read (another process of the key
+  delivered it) is skipped.
   A batch the spool cannot take is dropped and its samples counted in ``dropped``, which
   every later batch reports in ``producer_stats``.
 * A 4xx answer (bad batch, conflict, unknown run, too big) is logged and the batch dropped and counted in
@@ -280,23 +281,17 @@ class Streamer:
             entry = self.spool.peek()
             if entry is None or not self._can_post():
                 return
-            run_id = entry.run_id
-            if run_id == PENDING_RUN:
-                if entry.producer != self.producer:  # spooled by a process that never registered its run
-                    log.warning("shadowd: a batch of %d samples spooled before its run was registered, by another "
-                                "process: dropped", entry.samples)
-                    self.spool_dropped += entry.samples
-                    self.spool.pop(entry)
-                    continue
-                run_id = self.run_id
             try:
                 body = entry.read()
             except OSError as e:  # gone (delivered by another producer sharing the directory) or unreadable
                 log.warning("shadowd: spooled batch %s could not be read (%r): skipped", entry.path.name, e)
                 self.spool.pop(entry)
                 continue
-            # (a leftover of an earlier run of this spool goes to that run: the body names its producer and seq)
-            if self._post(run_id, body, entry.samples) is None:
+            # A spool directory belongs to one run key (shadowd.sglang.process, HookRuntime.start_streaming): what
+            # it holds goes to this streamer's run, whatever run id it was spooled under — PENDING_RUN (before the
+            # registration), or another id for the same run key (a collector whose database was made anew). The
+            # body names its producer and seq, so a batch another process of the key delivered first is a duplicate.
+            if self._post(self.run_id, body, entry.samples) is None:
                 return
             self.spool.pop(entry)
 
@@ -342,8 +337,10 @@ class Streamer:
             samples: list[dict[str, Any]] = []
             from_queue = 0
             try:
-                samples, from_queue = self._take()
+                # (the replay first: samples are taken off the queue only to be shipped at once, so a replay that
+                # blocks on a collector that never answers holds none of them where close() cannot see them)
                 self._replay()
+                samples, from_queue = self._take()
                 if samples:
                     self._ship(samples)
                 # no answer for poll_interval_s (idle, or every batch rejected): ask for the kill switch

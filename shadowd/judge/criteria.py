@@ -352,14 +352,15 @@ def _drift_check(recent: dict[str, float], hist: dict[str, float], p: Policy) ->
 
 
 def drift(r: RunRollups, p: Policy) -> Criterion:
-    """The recent window (``drift_window_s`` before the evaluation, ``now``) vs the run's earlier history.
+    """The recent window (``drift_window_s`` before :attr:`RunRollups.recent_end`: the evaluation, or the newest
+    sample of a run whose traffic stopped) vs the run's earlier history.
 
     Judged overall and per layer where both sides hold ``drift_min_samples``; also fails when
     the recent window's own exceedance rate is above the target with confidence. Too few samples on
-    either side overall is insufficient data: a run whose traffic stopped cannot stay READY on old data.
-    The window ends at the collector's clock, not at the newest sample, so no producer's clock moves it.
+    either side overall is insufficient data. The window never ends after the collector's clock, so no
+    producer's clock moves it there.
     """
-    cut = r.now - p.drift_window_s
+    cut = r.recent_end - p.drift_window_s
     recent_rows = [s for s in r.slots if float(s["t"]) >= cut]
     hist_rows = [s for s in r.slots if float(s["t"]) < cut]
     rl, hl = fold_layers(recent_rows), fold_layers(hist_rows)

@@ -47,7 +47,11 @@ class RunRollups:
       quarter-octave and per-layer octave histograms of the four statistics, and per-layer
       quarter-octave ones of the oracle ratio.
     - ``steps``: verify-step counts.
-    - ``now``: the evaluation time (unix seconds, the collector's clock): recency windows end here.
+    - ``now``: the evaluation time (unix seconds, the collector's clock).
+    - :attr:`recent_end`: where recency windows end: ``now``, or the run's newest sample when that is earlier,
+      so a run whose traffic stopped (a cutover restarts the server) keeps the verdict of its data rather than
+      turning INSUFFICIENT_DATA a window later. (No producer clock moves it past ``now``, and ingest refuses
+      sample times more than ``SHADOWD_MAX_CLOCK_SKEW_S`` ahead of the collector's.)
     - ``time_bucket_s``: the width of rollup_time's buckets (the collector's ``SHADOWD_TIME_BUCKET_S``).
     - ``errors``: candidate errors per kind (the samples' ``error`` marker → count), from rollup_errors.
     - ``ranks``: rows of rollup_ranks — per (rank, layer): ``n`` calls that compared something, ``n_empty``
@@ -67,3 +71,8 @@ class RunRollups:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     producers: list[dict[str, Any]] = field(default_factory=list)
     time_bucket_s: float = 60.0
+
+    @property
+    def recent_end(self) -> float:
+        last = self.run.get("last_sample_ts")
+        return self.now if last is None else min(self.now, float(last))

@@ -20,7 +20,7 @@ def _mean(total: float, n: float) -> float:
 def layer_table(r: RunRollups, p: Policy) -> list[dict[str, Any]]:
     """One row per declared (or seen) layer: counts, mean statistics, drift ratio and problems."""
     cells = fold_layers(r.cells)
-    cut = r.now - p.drift_window_s
+    cut = r.recent_end - p.drift_window_s
     recent = fold_layers([s for s in r.slots if float(s["t"]) >= cut])
     history = fold_layers([s for s in r.slots if float(s["t"]) < cut])
     buckets: dict[int, int] = {}

@@ -144,16 +144,16 @@ class ProcessSetup:
 
     def _start_streamer(self, rt: HookRuntime, fields: dict[str, Any]) -> None:
         from shadowd.client import BatchRejected, CollectorClient
-        from shadowd.hook.spool import PENDING_RUN, Spool
+        from shadowd.hook.spool import PENDING_RUN, Spool, spool_dir
         from shadowd.hook.streamer import Streamer
         from shadowd.wire import PRODUCER_STATS
 
         cfg = rt.config
         assert cfg.url is not None
         client = CollectorClient(cfg.url, cfg.token, timeout=cfg.http_timeout_s)
-        # one directory per rank, not per launch: a restarted worker replays what the previous launch spooled (to
-        # that launch's run) instead of leaving it behind
-        spool = Spool(cfg.spool_dir / f"rank{cfg.rank}", cfg.spool_max_bytes)
+        # a directory per run key and rank: what is spooled there belongs to that run (a worker restarted under the
+        # same SHADOWD_RUN_KEY replays what the last one left); another launch's batches are never in it
+        spool = Spool(spool_dir(cfg.spool_dir, fields["run_key"], cfg.rank), cfg.spool_max_bytes)
 
         def stats() -> dict[str, int]:
             return {**rt.producer_stats(), **self.spec.producer_stats(PRODUCER_STATS)}
@@ -174,6 +174,8 @@ class ProcessSetup:
                     break
                 except BatchRejected as e:
                     log.error("shadowd: the collector refused the run registration (%s): not streaming", e)
+                    rt.streamer = None  # (what it spooled meanwhile stays for a launch of the key that registers)
+                    streamer._stop.set()
                     return
                 except Exception as e:
                     log.warning("shadowd: run registration failed (%r); retrying in %.1fs", e, delay)

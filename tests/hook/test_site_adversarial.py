@@ -77,6 +77,10 @@ def test_two_sites_on_one_runtime_sample_every_layer_of_a_sampled_step() -> None
     again(x, w, layer=0)
     mlp(x, w, layer=0)
     assert rt.step == 11
+    # so does one whose owner is alive but no longer called (the step froze, and sampling with it)
+    for _ in range(5):
+        mlp(x, w, layer=0)
+    assert rt.step == 16
 
 
 def test_on_mode_serves_only_outputs_like_the_baselines() -> None:
@@ -148,7 +152,11 @@ def test_on_mode_nan_in_padded_rows_is_not_a_failure() -> None:
     assert not rt.fallback, rt.fallback_reason
 
 
-@pytest.mark.parametrize("exc", [SystemExit(3), GeneratorExit()])
+class Odd(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("exc", [GeneratorExit(), Odd()])
 def test_a_candidate_raising_a_base_exception_becomes_a_sample(exc: BaseException) -> None:
     def candidate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise exc
@@ -159,11 +167,36 @@ def test_a_candidate_raising_a_base_exception_becomes_a_sample(exc: BaseExceptio
     assert torch.equal(out, base_fn(x, w)) and sink[0]["error"] == f"exception:{type(exc).__name__}"
 
 
-def test_ctrl_c_in_a_candidate_still_stops_the_process() -> None:
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_ctrl_c_or_a_sigterm_exit_while_the_candidate_runs_still_stops_the_process(exc: type) -> None:
+    # (a SIGTERM handler that calls sys.exit raises SystemExit wherever the main thread is: often in the candidate)
     def candidate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        raise KeyboardInterrupt
+        raise exc
 
     rt, _sink = make_runtime("validate")
     x, w = inputs()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(exc):
         ShadowSite("s", base_fn, candidate, runtime=rt)(x, w, layer=0)
+    assert rt.candidate_failures == 0
+
+
+def test_an_on_mode_site_remembers_its_latest_output_keys() -> None:
+    # past the bound the oldest key goes: keys past it were never learnt, so every call of theirs was compared
+    from shadowd.hook.site import OUT_KEYS_MAX
+
+    rt, _sink = make_runtime("on", spot_every=10**9)
+    base_calls = []
+
+    def base(x: torch.Tensor) -> torch.Tensor:
+        base_calls.append(1)
+        return x * 2
+
+    site = ShadowSite("s", base, lambda x: x * 2, runtime=rt)
+    for k in range(1, OUT_KEYS_MAX + 1):  # fills the bound (each first call checked)
+        site(torch.ones(2, k), layer=0)
+    base_calls.clear()
+    for _ in range(3):
+        for k in range(OUT_KEYS_MAX + 1, OUT_KEYS_MAX + 11):  # ten new keys, three times
+            site(torch.ones(2, k), layer=0)
+    assert len(base_calls) == 10, "each new key checked once, then learnt"
+    assert len(site.out_metas) == OUT_KEYS_MAX

@@ -12,7 +12,7 @@ import pytest
 
 import shadowd.hook.streamer as streamer_mod
 from shadowd.client import CollectorClient
-from shadowd.hook.spool import PENDING_RUN, Spool
+from shadowd.hook.spool import PENDING_RUN, Spool, spool_dir
 from shadowd.hook.streamer import Streamer
 from shadowd.wire import decode_msgpack, encode_msgpack
 from tests.hook.conftest import Collector, run_body
@@ -42,18 +42,22 @@ def test_a_spooled_batch_that_vanished_is_skipped_and_later_samples_arrive(colle
     assert st.dropped == 0 and spool.depth() == 0
 
 
-def test_a_previous_runs_leftovers_are_delivered_to_that_run(collector: Collector, tmp_path: Path) -> None:
-    # (they were deleted unsent as "another run's leftovers": a restarted producer registers a new run)
+def test_what_an_earlier_process_of_the_run_key_spooled_goes_to_the_run(collector: Collector, tmp_path: Path) -> None:
+    # (deleted unsent, before, as "another run's leftovers"; and sent to its recorded run id, which a collector
+    # whose database was made anew gives to another run: a spool directory belongs to one run key now)
     client = CollectorClient(collector.url, timeout=2.0)
-    old = client.register_run(run_body("launch-1"))["id"]
-    new = client.register_run(run_body("launch-2"))["id"]
-    spool = Spool(tmp_path / "spool", 2**20)
-    assert spool.push(old, "p1", 0, encode_msgpack(_batch("p1", 0, [1, 2, 3])), 3)
-    st = Streamer(client, new, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05).start()
+    unrelated = client.register_run(run_body("someone-else"))["id"]
+    run_id = client.register_run(run_body("launch"))["id"]
+    root = spool_dir(tmp_path, "launch", 0)
+    spool = Spool(root, 2**20)
+    assert spool.push(unrelated, "p1", 0, encode_msgpack(_batch("p1", 0, [1, 2])), 2)  # an id of an old database
+    assert spool.push(PENDING_RUN, "p2", 0, encode_msgpack(_batch("p2", 0, [3])), 1)  # before its registration
+    st = Streamer(client, run_id, Spool(root, 2**20), flush_interval_s=0.05).start()
     st.submit(sample(7))
     assert st.flush(30), st.last_error
     st.close()
-    assert _calls(collector, old) == [1, 2, 3] and _calls(collector, new) == [7]
+    assert _calls(collector, run_id) == [1, 2, 3, 7] and _calls(collector, unrelated) == []
+    assert spool_dir(tmp_path, "another-launch", 0) != root
 
 
 def test_a_batch_the_collector_keeps_failing_on_is_dropped_counted_and_the_rest_flows(tmp_path: Path,
