@@ -26,7 +26,7 @@ PENDING_RUN = 0
 def spool_dir(root: Path, run_key: str | None, rank: int, producer: str = "") -> Path:
     """The spool directory of one run key's rank under ``root`` (``SHADOWD_SPOOL_DIR``): everything in it belongs
     to that run. Without a run key (every registration a new run) it is the producer's own."""
-    name = hashlib.sha256(run_key.encode()).hexdigest()[:16] if run_key else f"producer-{producer}"
+    name = hashlib.sha256(run_key.encode()).hexdigest()[:12] if run_key else f"producer-{producer}"
     return Path(root) / name / f"rank{rank}"
 
 
