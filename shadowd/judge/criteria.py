@@ -296,20 +296,19 @@ def coverage(r: RunRollups, p: Policy) -> Criterion:
     """Every declared layer and every shape bucket seen has at least ``min_cell_samples`` samples, and so has
     every TP rank of the run in every layer (:func:`shadowd.judge.ranks.rank_gaps`).
 
-    A bucket's count is its calls per layer (calls in the bucket / layers that saw it).
+    A bucket's count is its fewest calls in any layer (a layer that never ran in it counts 0): with samples
+    lost for some layers, a bucket seen by one layer alone is not covered (it was, as calls per layer seen).
     """
     need = p.min_cell_samples
     per_layer = fold_layers(r.cells)
     num_layers = int(_f(r.run, "num_layers"))
     layers = sorted(set(range(num_layers)) | set(per_layer))
     short_layers = [lay for lay in layers if per_layer.get(lay, {}).get("n", 0.0) < need]
-    bucket_n: dict[str, float] = defaultdict(float)
-    bucket_layers: dict[str, set[int]] = defaultdict(set)
+    by_bucket: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for c in r.cells:
         if _f(c, "n") > 0:
-            bucket_n[bucket_label(c)] += _f(c, "n")
-            bucket_layers[bucket_label(c)].add(int(c["layer"]))
-    per_bucket = {b: n / max(1, len(bucket_layers[b])) for b, n in bucket_n.items()}
+            by_bucket[bucket_label(c)][int(c["layer"])] += _f(c, "n")
+    per_bucket = {b: min(by_layer.get(lay, 0.0) for lay in layers) for b, by_layer in by_bucket.items()}
     short_buckets = sorted(b for b, n in per_bucket.items() if n < need)
     empty = [lay for lay in short_layers if per_layer.get(lay, {}).get("n", 0.0) == 0]
     least_layer = min((per_layer.get(lay, {}).get("n", 0.0) for lay in layers), default=0.0)

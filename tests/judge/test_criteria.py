@@ -220,6 +220,10 @@ def test_short_bucket_is_named() -> None:
     assert cov["status"] == "insufficient" and cov["buckets"] == ["bs64-t16-p17-h8"]
     cells[2]["n"] = cells[3]["n"] = 10
     assert criterion(judge(rollups(cells=cells), SMALL), "coverage")["status"] == "pass"
+    # a bucket one layer alone saw (samples lost for the other) is not covered, however many calls it has
+    lone = [cell(0, 1000), cell(1, 1000), cell(0, 500, bucket=(64, 16, 17, 8))]
+    cov = criterion(judge(rollups(cells=lone), SMALL), "coverage")
+    assert cov["status"] == "insufficient" and cov["buckets"] == ["bs64-t16-p17-h8"], cov
 
 
 def test_every_tp_rank_needs_compared_samples_in_every_layer() -> None:
