@@ -69,8 +69,13 @@ class CollectorClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self.url = url.rstrip("/")
+        self._args = (url, token, timeout, transport)
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout),
                                   transport=transport)
+
+    def fresh(self) -> CollectorClient:
+        """A client like this one with connections of its own (a forked process must not share its parent's)."""
+        return CollectorClient(*self._args)
 
     def close(self) -> None:
         self._http.close()

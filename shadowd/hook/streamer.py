@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -132,6 +133,7 @@ class Streamer:
         self._last_contact = 0.0
         self._bug_tries = 0  # consecutive 500 answers to the batch at the head of the line
         self._inflight: tuple[int, bytes, int] | None = None  # (seq, body, samples) being posted directly
+        self._pid = os.getpid()  # a forked child (another pid) makes its own thread and queue on its first submit
         self._accepted = 0  # samples put on the queue (serving thread)
         self._done = 0  # samples taken off it and shipped, spooled or dropped (streamer thread)
         self._thread = threading.Thread(target=self._run, name="shadowd-streamer", daemon=True)
@@ -144,6 +146,8 @@ class Streamer:
     # ---- the serving thread's side -------------------------------------------------------------
     def submit(self, sample: dict[str, Any]) -> bool:
         """Enqueue one sample without waiting; False (and counted) when the queue is full."""
+        if self._pid != os.getpid():
+            self._after_fork()
         try:
             self._q.put_nowait(sample)
             self._accepted += 1
@@ -156,6 +160,27 @@ class Streamer:
     def start(self) -> Streamer:
         self._thread.start()
         return self
+
+    def _after_fork(self) -> None:
+        """The first submit in a forked child: the parent's thread, queue lock and connections do not exist here
+        (a lock held at the fork would deadlock the child). The child streams as a producer of its own, into the
+        same spool, from a thread of its own — only once it has samples to send."""
+        self._pid = os.getpid()
+        started = self._thread.ident is not None
+        self.producer = uuid.uuid4().hex
+        self.seq = 0
+        self.queue_dropped = self.spool_dropped = self.rejected = self.sent = 0
+        self._accepted = self._done = 0
+        self._inflight = None
+        self._q = queue.Queue(maxsize=self._q.maxsize)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self.client = self.client.fresh()
+        self.spool = Spool(self.spool.root, self.spool.max_bytes)
+        self._thread = threading.Thread(target=self._run, name="shadowd-streamer", daemon=True)
+        if started:
+            self._thread.start()
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush what can be flushed within ``timeout``, stop the thread, and spool what is left — the batch still

@@ -191,3 +191,31 @@ def test_a_refused_token_keeps_the_batches_for_a_restart_with_the_right_one(tmp_
     assert st2.flush(30), st2.last_error
     st2.close()
     assert good and st2.spool.depth() == 0
+
+
+def test_a_forked_child_streams_as_a_producer_of_its_own(collector: Collector, tmp_path: Path) -> None:
+    # (the child inherited a dead thread, the parent's queue lock and connections: its samples went nowhere, and
+    # the kill switch never reached it)
+    import os
+
+    client = CollectorClient(collector.url, timeout=5.0)
+    run_id = client.register_run(run_body("fork"))["id"]
+    seen: list[str | None] = []
+    st = Streamer(client, run_id, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05,
+                  on_mode_override=seen.append).start()
+    st.submit(sample(1))
+    assert st.flush(30)
+    client.set_mode(run_id, "off")
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        ok = False
+        try:
+            st.submit(sample(2))
+            ok = st.flush(30) and st.sent == 1 and "off" in seen
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    st.close()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child delivered its sample and heard the kill switch"
+    rows = db_samples(collector.db_path, run_id)
+    assert sorted(c for _, c in rows) == [1, 2] and len({p for p, _ in rows}) == 2, rows
