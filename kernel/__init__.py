@@ -114,6 +114,20 @@ def _current_stream(q: torch.Tensor) -> int:
     return int(torch.cuda.current_stream(q.device).cuda_stream)
 
 
+def _whole(value: Any, name: str, lo: int, hi: int | None, what: str) -> int:
+    """An integer argument in [lo, hi] (any integer type but bool), else ArgumentError naming it."""
+    import operator
+
+    try:
+        v = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        v = None
+    if v is None or v < lo or (hi is not None and v > hi):
+        bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ArgumentError(name, f"expected a whole number {bounds} ({what}), got {value!r}")
+    return int(v)
+
+
 def tree_verify(
     q: torch.Tensor,
     k_draft: torch.Tensor,
@@ -167,6 +181,12 @@ def tree_verify(
 
     from . import _lib
 
+    # the launch's integers (max_q_len 0 launched nothing and left `out` unwritten; num_splits out of range was
+    # clamped silently)
+    if max_q_len is not None:
+        max_q_len = _whole(max_q_len, "max_q_len", 1, None, "an upper bound of every request's draft tokens")
+    if num_splits is not None:
+        num_splits = _whole(num_splits, "num_splits", 1, MAX_SPLITS, "KV splits per (request, row tile)")
     validate_args(
         q,
         k_draft,

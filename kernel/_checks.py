@@ -8,6 +8,8 @@ With ``require_cuda=False`` the device check is skipped, so the checks run on CP
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,12 @@ class ArgumentError(ValueError):
     def __init__(self, argument: str, message: str):
         super().__init__(f"mla_tree_verify.tree_verify: argument '{argument}': {message}")
         self.argument = argument
+
+
+def scale_ok(x: object) -> bool:
+    """``sm_scale``: a finite positive real number (numpy scalars too; not a bool)."""
+    return (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+            and float(x) > 0)
 
 
 def _need(cond: bool, name: str, msg: str | Callable[[], str]) -> None:
@@ -111,17 +119,20 @@ def _accepts(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mas
             if (not isinstance(x, t) or x.dtype not in index_dtypes or x.dim() != 1
                     or (length >= 0 and x.shape[0] != length) or (x.shape[0] > 1 and x.stride(0) != 1)):
                 return False
-        if type(sm_scale) not in (float, int) or not (math.isfinite(sm_scale) and sm_scale > 0):
+        if not (math.isfinite(sm_scale) and sm_scale > 0 if type(sm_scale) is float else scale_ok(sm_scale)):
             return False
         if out is not None:
             if not isinstance(out, t) or out.dtype != bf16 or tuple(out.shape) != (total, heads, 512):
                 return False
             os_ = out.stride()
-            if os_[2] != 1 or os_[0] % 2 or os_[1] % 2:
+            if os_[2] != 1 or os_[0] % 2 or os_[1] % 2 or (total > 1 and os_[0] == 0) or (heads > 1 and os_[1] == 0):
                 return False
-        if lse is not None and (not isinstance(lse, t) or lse.dtype != torch.float32
-                                or tuple(lse.shape) != (total, heads)):
-            return False
+        if lse is not None:
+            if not isinstance(lse, t) or lse.dtype != torch.float32 or tuple(lse.shape) != (total, heads):
+                return False
+            ls = lse.stride()
+            if (total > 1 and ls[0] == 0) or (heads > 1 and ls[1] == 0):
+                return False
         if workspace is not None and (not isinstance(workspace, t) or not workspace.is_contiguous()
                                       or workspace.data_ptr() % 16):
             return False
@@ -173,7 +184,6 @@ def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_ma
               workspace, error_flag, nonfinite_flag, require_cuda) -> None:
     """The checks one by one, each naming its argument (what :func:`validate_args` runs when :func:`_accepts`
     does not accept)."""
-    import math
 
     _tensor(q, "q")
     _dtype(q, "q", ("torch.bfloat16",))
@@ -208,11 +218,7 @@ def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_ma
         _need(custom_mask.shape[0] <= 1 or custom_mask.stride(0) == 1, "custom_mask", "must be contiguous")
         _need(mask_indptr is not None, "mask_indptr", "required when custom_mask is given")
         _index(mask_indptr, "mask_indptr", batch + 1)
-    _need(
-        isinstance(sm_scale, (int, float)) and math.isfinite(float(sm_scale)) and float(sm_scale) > 0,
-        "sm_scale",
-        lambda: f"expected a finite positive float, got {sm_scale!r}",
-    )
+    _need(scale_ok(sm_scale), "sm_scale", lambda: f"expected a finite positive real number, got {sm_scale!r}")
     if out is not None:
         _tensor(out, "out")
         _dtype(out, "out", ("torch.bfloat16",))
@@ -223,6 +229,8 @@ def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_ma
         )
         _need(out.stride(2) == 1, "out", "last dim must be contiguous (stride 1)")
         _need(out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0, "out", "token/head strides must be even")
+        _need((total <= 1 or out.stride(0) != 0) and (heads <= 1 or out.stride(1) != 0), "out",
+              "a stride of 0 (an expanded tensor) would make rows share their elements")
     if lse is not None:
         _tensor(lse, "lse")
         _dtype(lse, "lse", ("torch.float32",))
@@ -231,6 +239,8 @@ def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_ma
             "lse",
             lambda: f"expected shape {(total, heads)}, got {tuple(lse.shape)}",
         )
+        _need((total <= 1 or lse.stride(0) != 0) and (heads <= 1 or lse.stride(1) != 0), "lse",
+              "a stride of 0 (an expanded tensor) would make rows share their elements")
     if workspace is not None:
         _tensor(workspace, "workspace")
         _need(workspace.is_contiguous(), "workspace", "must be contiguous")

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import mla_tree_verify
+import numpy as np
 import pytest
 import torch
 from mla_tree_verify import ArgumentError, testing, validate_args
@@ -188,6 +189,9 @@ def _variants():
     yield "nonfinite_flag float", dict(nonfinite_flag=torch.zeros(1))
     yield "nonfinite_flag empty", dict(nonfinite_flag=torch.zeros(0, dtype=torch.int32))
     yield "q not a tensor", dict(q=[1.0])
+    yield "numpy sm_scale", dict(sm_scale=np.float32(0.1))
+    yield "out expanded", dict(out=torch.empty(1, 2, 512, dtype=torch.bfloat16).expand(5, 2, 512))
+    yield "lse expanded", dict(lse=torch.empty(1, 2).expand(5, 2))
 
 
 @pytest.mark.parametrize("name,over", list(_variants()), ids=[n for n, _ in _variants()])
@@ -210,7 +214,23 @@ def test_fast_acceptance_agrees_with_the_labelled_checks(name, over):
     accepted = _accepts(*args, False)
     assert not accepted or ok, f"{name}: accepted what the labelled checks refuse"
     if name in ("valid", "causal", "causal, stray mask_indptr", "uint8 mask, int64 indptr", "outputs given",
-                "2-D k and kv", "q a strided view", "int sm_scale"):
+                "2-D k and kv", "q a strided view", "int sm_scale", "numpy sm_scale"):
         assert accepted and ok, name
-    elif name != "bool sm_scale":
+    else:  # (a bool sm_scale, 0-stride outputs: refused by both, named by the labelled checks)
         assert not ok, f"{name}: expected the labelled checks to refuse it"
+
+
+@pytest.mark.parametrize("kw,name", [(dict(max_q_len=0), "max_q_len"), (dict(max_q_len=2.5), "max_q_len"),
+                                     (dict(max_q_len=True), "max_q_len"), (dict(num_splits=0), "num_splits"),
+                                     (dict(num_splits=10**6), "num_splits")])
+def test_launch_integers_are_checked_naming_them(kw, name):
+    # max_q_len 0 launched nothing and returned an unwritten output; num_splits out of range was clamped silently.
+    # (Checked before the tensors: these CPU tensors would be refused next, naming q.)
+    import mla_tree_verify
+
+    with pytest.raises(ArgumentError) as ei:
+        mla_tree_verify.tree_verify(**{**_args(), **kw})
+    assert ei.value.argument == name
+    with pytest.raises(ArgumentError) as ei:
+        mla_tree_verify.tree_verify(**_args(), max_q_len=np.int64(3), num_splits=np.int32(2))
+    assert ei.value.argument == "q", "numpy integers are integers"
