@@ -92,14 +92,16 @@ def readiness(
     run: Annotated[int | None, typer.Option("--run", help="run id (default: the latest run)")] = None,
     wait: Annotated[float, typer.Option(help="poll until READY or this many seconds pass")] = 0.0,
     token: Annotated[str | None, typer.Option(help="bearer token", envvar="SHADOWD_TOKEN")] = None,
+    expect_fingerprint: Annotated[str | None, typer.Option(
+        "--expect-fingerprint", help="the candidate build the gate is for: another fingerprint exits 1")] = None,
 ) -> None:
     """Print the verdict and its reasons; a pipeline gate.
 
-    Exit 0 READY, 1 NOT_READY, 2 INSUFFICIENT_DATA, 3 collector unreachable, 4 request refused
-    (unknown run, bad token)."""
+    Exit 0 READY, 1 NOT_READY (or not the expected candidate), 2 INSUFFICIENT_DATA, 3 collector unreachable,
+    4 request refused (unknown run, bad token). --wait stops early on a NOT_READY that holds for the run."""
     from shadowd.readiness_cli import readiness_command
 
-    raise typer.Exit(readiness_command(url, run, wait, token))
+    raise typer.Exit(readiness_command(url, run, wait, token, expect_fingerprint=expect_fingerprint))
 
 
 @app.command()

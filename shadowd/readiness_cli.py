@@ -10,7 +10,12 @@ Exit codes:
 - 4  the request was refused by the collector (unknown run, missing or wrong token)
 - 64 a bad command line (``shadowd.cli.EXIT_USAGE``, through the ``shadowd`` command)
 
-``--wait SECONDS`` polls until READY or until the time is up, and exits with the last answer's code.
+``--wait SECONDS`` polls until READY or until the time is up, and exits with the last answer's code; it stops at
+once on a NOT_READY that holds for the run (a hard failure, a producer that gave up on its candidate: ``STICKY``),
+and prints a line whenever the verdict or its first reason changes while it waits.
+
+``--expect-fingerprint FP``: the gate is for that candidate build. A run whose candidate fingerprint differs is
+NOT_READY for it (exit 1, saying both), whatever its verdict.
 """
 
 from __future__ import annotations
@@ -39,6 +44,19 @@ EXIT_INSUFFICIENT_DATA = 2
 EXIT_UNREACHABLE = 3
 EXIT_REFUSED = 4
 EXIT_CODES = {"READY": EXIT_READY, "NOT_READY": EXIT_NOT_READY, "INSUFFICIENT_DATA": EXIT_INSUFFICIENT_DATA}
+#: criteria whose failure holds for the rest of the run: waiting cannot turn it READY
+STICKY = ("hard_failures", "producers")
+
+
+def _sticky(body: dict[str, Any]) -> bool:
+    return any(c.get("name") in STICKY and c.get("status") == "fail" for c in body.get("criteria") or [])
+
+
+def _wrong_candidate(body: dict[str, Any], expect: str | None) -> str | None:
+    got = body.get("candidate_fingerprint")
+    if expect is None or "verdict" not in body or got == expect:
+        return None
+    return f"the run's candidate is {got}, not the expected {expect}: its verdict is not for that build"
 
 
 def fetch_readiness(client: httpx.Client, run_id: int | None) -> tuple[int, dict[str, Any]]:
@@ -82,11 +100,12 @@ def format_report(body: dict[str, Any]) -> str:
 
 def readiness_command(url: str, run_id: int | None = None, wait_s: float = 0.0, token: str | None = None, *,
                       poll_s: float = 5.0, client: httpx.Client | None = None,
-                      echo: Callable[[str], None] = print) -> int:
+                      echo: Callable[[str], None] = print, expect_fingerprint: str | None = None) -> int:
     """Print the verdict of ``run_id`` (latest run when None) at ``url``; return the exit code.
 
-    With ``wait_s`` > 0, poll every ``poll_s`` seconds until READY or ``wait_s`` has passed.
-    ``client`` replaces the HTTP client (tests pass a TestClient).
+    With ``wait_s`` > 0, poll every ``poll_s`` seconds until READY, a NOT_READY that holds for the run, or
+    ``wait_s`` has passed. ``expect_fingerprint``: see the module docstring. ``client`` replaces the HTTP client
+    (tests pass a TestClient).
     """
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     own = client is None
@@ -94,13 +113,24 @@ def readiness_command(url: str, run_id: int | None = None, wait_s: float = 0.0, 
     if headers:
         http.headers.update(headers)
     deadline = time.monotonic() + max(0.0, wait_s)
+    last: tuple[Any, ...] | None = None
     try:
         while True:
             code, body = fetch_readiness(http, run_id)
+            wrong = _wrong_candidate(body, expect_fingerprint)
+            if wrong is not None:
+                echo(format_report(body))
+                echo(f"NOT_READY for the expected candidate: {wrong}")
+                return EXIT_NOT_READY
             remaining = deadline - time.monotonic()
-            if code in (EXIT_READY, EXIT_REFUSED) or remaining <= 0:
+            if (code in (EXIT_READY, EXIT_REFUSED) or remaining <= 0
+                    or (code == EXIT_NOT_READY and _sticky(body))):
                 echo(format_report(body))
                 return code
+            now = (body.get("verdict"), (body.get("reasons") or [body.get("error")])[0])
+            if now != last:  # progress while waiting: what stands in the way, when it changes
+                echo(f"waiting ({remaining:.0f} s left): {now[0] or 'no verdict'}: {now[1]}")
+                last = now
             time.sleep(min(poll_s, remaining))
     finally:
         if own:

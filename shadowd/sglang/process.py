@@ -140,6 +140,11 @@ class ProcessSetup:
             if config.url:
                 fields = run_fields(derive_run_key(self.env), layers, tp_size, self.sglang_version, model)
                 self._start_streamer(rt, fields)
+            elif config.mode != "off":
+                log.error("shadowd: no SHADOWD_URL: mode %s runs without a collector — no samples are stored, and "
+                          "no kill switch can reach this process%s", config.mode,
+                          " (on mode still falls back in-process on a failing spot check)" if config.mode == "on"
+                          else "")
             return rt
 
     def _start_streamer(self, rt: HookRuntime, fields: dict[str, Any]) -> None:
@@ -176,6 +181,10 @@ class ProcessSetup:
                     log.error("shadowd: the collector refused the run registration (%s): not streaming", e)
                     rt.streamer = None  # (what it spooled meanwhile stays for a launch of the key that registers)
                     streamer._stop.set()
+                    if cfg.mode == "on":  # no kill switch and no spot-check reports: the candidate is not served
+                        log.error("shadowd: on mode without a registered run cannot be switched off from the "
+                                  "collector: serving the baseline (fix the registration and restart)")
+                        rt.set_override("off")
                     return
                 except Exception as e:
                     log.warning("shadowd: run registration failed (%r); retrying in %.1fs", e, delay)
@@ -184,7 +193,8 @@ class ProcessSetup:
             rt.run_id = int(run["id"])
             rt.set_override(run.get("mode_override"))
             streamer.run_id = rt.run_id  # (last: the streamer's thread then posts, the spooled batches first)
-            log.warning("shadowd: run %d (%s), rank %d streaming to the collector", rt.run_id, fields["run_key"],
-                        cfg.rank)
+            log.warning("shadowd: run %d (%s), rank %d streaming to the collector; candidate %s, baseline %s",
+                        rt.run_id, fields["run_key"], cfg.rank, (fields.get("candidate") or {}).get("fingerprint"),
+                        (fields.get("baseline") or {}).get("fingerprint"))
 
         threading.Thread(target=register, name="shadowd-register", daemon=True).start()

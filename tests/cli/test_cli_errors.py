@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from shadowd.cli import EXIT_USAGE, main
-from shadowd.readiness_cli import EXIT_REFUSED, EXIT_UNREACHABLE, readiness_command
+from shadowd.readiness_cli import EXIT_NOT_READY, EXIT_REFUSED, EXIT_UNREACHABLE, readiness_command
 
 
 def _err(capsys: pytest.CaptureFixture[str]) -> str:
@@ -69,6 +69,46 @@ def test_readiness_tells_a_refusal_from_a_foreign_404() -> None:
     assert "without a verdict" in out[-1] and "shadowd collector?" in out[-1]
     assert readiness_command("http://x", 9, client=answer(404), echo=out.append) == EXIT_UNREACHABLE
     assert "(empty body)" in out[-1]
+
+
+def _verdict(verdict: str, criteria: list[dict] | None = None, fp: str = "fp-1") -> dict:
+    return {"verdict": verdict, "run_id": 9, "run_key": "k", "candidate_fingerprint": fp,
+            "reasons": [f"{verdict} because"], "criteria": criteria or []}
+
+
+def test_readiness_wait_stops_on_a_not_ready_that_holds_and_shows_progress() -> None:
+    # (--wait 86400 sat silent for a day on a NOT_READY the docs call permanent)
+    calls: list[int] = []
+
+    def client(bodies: list[dict]) -> httpx.Client:
+        def handle(request: httpx.Request) -> httpx.Response:
+            calls.append(1)
+            body = bodies[min(len(calls), len(bodies)) - 1]
+            return httpx.Response(200 if body["verdict"] == "READY" else 503, json=body)
+        return httpx.Client(base_url="http://x", transport=httpx.MockTransport(handle))
+
+    out: list[str] = []
+    sticky = _verdict("NOT_READY", [{"name": "hard_failures", "status": "fail"}])
+    assert readiness_command("http://x", 9, wait_s=60, poll_s=0.01, client=client([sticky]),
+                             echo=out.append) == EXIT_NOT_READY
+    assert len(calls) == 1, "no waiting on a verdict that holds for the run"
+    # a NOT_READY that may pass (drift), then READY: waited for, with one progress line per change
+    calls.clear()
+    out.clear()
+    drifting = _verdict("NOT_READY", [{"name": "drift", "status": "fail"}])
+    bodies = [_verdict("INSUFFICIENT_DATA"), _verdict("INSUFFICIENT_DATA"), drifting, _verdict("READY")]
+    assert readiness_command("http://x", 9, wait_s=60, poll_s=0.01, client=client(bodies), echo=out.append) == 0
+    assert [line.split(":")[0] for line in out[:-1]] == ["waiting (60 s left)"] * 2 and out[-1].startswith("READY")
+
+
+def test_readiness_for_an_expected_candidate_build() -> None:
+    ready = _verdict("READY", fp="fp-old")
+    client = httpx.Client(base_url="http://x", transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, json=ready)))
+    out: list[str] = []
+    assert readiness_command("http://x", 9, client=client, echo=out.append, expect_fingerprint="fp-new") == 1
+    assert "not the expected fp-new" in out[-1]
+    assert readiness_command("http://x", 9, client=client, echo=out.append, expect_fingerprint="fp-old") == 0
 
 
 def test_version_flag_and_command(capsys: pytest.CaptureFixture[str]) -> None:

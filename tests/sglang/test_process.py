@@ -72,3 +72,23 @@ def test_two_ranks_register_one_run_and_stream(sgl: Any, collector: Collector, t
     assert producers == {0, 1}, "each rank is its own producer (SHADOWD_RANK does not merge them)"
     for rt in runtimes:
         rt.streamer.close(2.0)
+
+
+def test_on_mode_whose_run_registration_is_refused_serves_the_baseline(sgl: Any, collector: Collector,
+                                                                      tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # a refused registration (a token the collector does not take, a run key reused for another candidate) left
+    # on mode serving the candidate with no kill switch and no reports
+    import sglang
+
+    from shadowd.sglang import process
+    from shadowd.sglang.spec import SpecCounters
+
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    env = {"SHADOWD_MODE": "on", "SHADOWD_URL": collector.url + "/nowhere", "SHADOWD_RUN_KEY": "refused",
+           "SHADOWD_SPOOL_DIR": str(tmp_path / "spool")}  # (a path the collector answers 404: refused)
+    rt = process.ProcessSetup(sglang.__version__, SpecCounters(), env=env).setup(_runner(0))
+    deadline = time.monotonic() + 30
+    while rt.mode != "off" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rt.mode == "off" and rt.streamer is None and rt.run_id is None
