@@ -153,16 +153,22 @@ def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None
     if not torch.cuda.is_available():
         echo("selftest needs a CUDA GPU: run it on the machine the candidate will serve on")
         return 2
+    import os
+
     import mla_tree_verify
-    from mla_tree_verify._build import build
+    from mla_tree_verify import _lib
 
     name = torch.cuda.get_device_name()
     cap = torch.cuda.get_device_capability()
-    echo(f"GPU: {name} (sm_{cap[0]}{cap[1]}); building the kernel (cached after the first time)...")
-    try:
-        echo(f"kernel library: {build()}")
-    except RuntimeError as exc:
-        echo(f"kernel build failed: {exc}")
+    prebuilt = os.environ.get("MLA_TREE_VERIFY_LIB")
+    echo(f"GPU: {name} (sm_{cap[0]}{cap[1]}); "
+         + (f"the prebuilt kernel library {prebuilt} (MLA_TREE_VERIFY_LIB)" if prebuilt
+            else "building the kernel (cached after the first time)..."))
+    try:  # the library the candidate will load, as it loads it (a prebuilt one too): that is what is tested
+        lib = _lib.load()
+        echo(f"kernel library: {lib._name}")
+    except (RuntimeError, OSError) as exc:
+        echo(f"kernel library unavailable: {exc}")
         return 1
     report = run_selftest(mla_tree_verify.tree_verify, "cuda", default_sweep(quick, seed=seed), echo, words=True)
     failed = [r for r in report.results if not r.passed]
