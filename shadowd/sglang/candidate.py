@@ -37,9 +37,10 @@ import importlib
 import importlib.util
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -233,9 +234,16 @@ def oracle(call: VerifyCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.reshape(t, call.heads * D_V)
 
 
-def candidate_fingerprint() -> str:
-    """``mla_tree_verify`` source hash (what its build cache is keyed by), or ``unknown``."""
+def candidate_fingerprint(env: Mapping[str, str] | None = None) -> str:
+    """What identifies the candidate build that will be served: the hash of the prebuilt library's bytes when
+    ``MLA_TREE_VERIFY_LIB`` names one (that file is what the kernel loads, whatever the sources say), else the
+    ``mla_tree_verify`` source hash (what its build cache is keyed by); ``unknown`` when neither can be read."""
+    import hashlib
+
+    lib = (os.environ if env is None else env).get("MLA_TREE_VERIFY_LIB")
     try:
+        if lib:
+            return f"mla_tree_verify-lib-{hashlib.sha256(Path(lib).read_bytes()).hexdigest()[:16]}"
         from mla_tree_verify import _build
 
         return f"mla_tree_verify-src-{_build.source_hash()[:16]}"

@@ -79,3 +79,17 @@ def test_run_fields() -> None:
     from shadowd.collector.schemas import RunCreate
 
     RunCreate.model_validate(f)  # what the collector accepts
+
+
+def test_the_candidate_fingerprint_is_the_library_that_will_be_loaded(tmp_path: Any) -> None:
+    # a prebuilt MLA_TREE_VERIFY_LIB was fingerprinted by the sources beside it: a rebuilt library kept the
+    # fingerprint of the build the gate had passed
+    from shadowd.sglang.candidate import candidate_fingerprint
+
+    lib = tmp_path / "libmla_tree_verify.so"
+    lib.write_bytes(b"build one")
+    one = candidate_fingerprint({"MLA_TREE_VERIFY_LIB": str(lib)})
+    lib.write_bytes(b"build two")
+    two = candidate_fingerprint({"MLA_TREE_VERIFY_LIB": str(lib)})
+    assert one.startswith("mla_tree_verify-lib-") and one != two
+    assert candidate_fingerprint({}).startswith("mla_tree_verify-src-")
