@@ -101,17 +101,19 @@ def _baseline(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], p
     return out
 
 
-def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket) -> Any:
+def device_call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket,
+                advance: bool) -> Any:
     """One shadowed call on CUDA tensors (eager or under CUDA-graph capture).
 
     What the hook's own code raises here — the device state, a launch of its kernels, a site's gate — never
     reaches the caller: the candidate is disabled for the process (with the reason, and one sample whose error
     is ``hook:<exception type>``, so the collector sees it and no verdict passes over it), and the baseline's
     result is returned (a run of its own when the baseline had not run, or ran gated). What the baseline raises
-    is the caller's, as without the hook."""
+    is the caller's, as without the hook. ``advance``: this call starts a new verify step
+    (:meth:`ShadowSite.advances_step`, asked once by the caller)."""
     p = _Progress()
     try:
-        return _call(site, args, kwargs, layer, b, p)
+        return _call(site, args, kwargs, layer, b, p, advance)
     except Exception as e:
         if p.in_baseline:
             raise
@@ -187,7 +189,7 @@ def _capture_after_fallback(site: ShadowSite, ds: DeviceState, key: int, args: t
     inputs, only to be snapshotted for a bundle; the baseline's result is returned. (A *disabled* candidate —
     repeated errors, a modified input — never runs again.)"""
     out_b = _baseline(site, args, kwargs, p)
-    cargs, ckwargs, watched = site._protect(args, kwargs)
+    cargs, ckwargs, watched, out_b = site._protect(args, kwargs, out_b)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)
     err = site._candidate_error(err, out_c, out_b, watched)
     site._isolated("bundle", ds.captures.snapshot, site, key, layer, b, "on", args, kwargs, out_b,
@@ -196,7 +198,7 @@ def _capture_after_fallback(site: ShadowSite, ds: DeviceState, key: int, args: t
 
 
 def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, b: Bucket,
-          p: _Progress) -> Any:
+          p: _Progress, advance: bool) -> Any:
     rt = site.rt
     if rt.disabled:  # nothing of the hook runs (nor is its device state made: a fault there disabled it)
         return _baseline(site, args, kwargs, p)
@@ -265,7 +267,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     cfg = rt.config
     flag = site.flag_tensor
     control_kernel[(1,)](ds.dctrl, ds.word, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
-                         flag if flag is not None else ds.dstate, int(site.advances_step(layer)),
+                         flag if flag is not None else ds.dstate, int(advance),
                          min(cfg.max_draft_tokens, 2**62), min(cfg.max_prefix_len, 2**62), host_decides, do_stats,
                          use_cand, rt.step, b.batch_size, b.draft_tokens, b.prefix_len,
                          HAS_META=meta is not None, HAS_FLAG=flag is not None, USE_TIMER=ds.use_timer,
@@ -282,11 +284,11 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         gargs, gkwargs = site.candidate_gate(slot.sstate, args, kwargs)
         # the gate's outputs are already private copies: they are not cloned a second time
         fresh = {id(x) for x in (*gargs, *gkwargs.values())} - {id(x) for x in (*args, *kwargs.values())}
-        cargs, ckwargs, watched = site._protect(gargs, gkwargs, fresh, batch=True)
+        cargs, ckwargs, watched, protected = site._protect(gargs, gkwargs, out_b, fresh, batch=True)
     else:
-        cargs, ckwargs, watched = site._protect(args, kwargs, batch=capturing)
-    if not gated:  # (a gated baseline's output is not what a replay returns: the select kernel's is)
-        out_b = p.out_b = site.unaliased(out_b, watched)
+        cargs, ckwargs, watched, protected = site._protect(args, kwargs, None if gated else out_b, batch=capturing)
+    if not gated:  # (a gated baseline's output is not what a replay returns, the select kernel's is)
+        out_b = p.out_b = protected
     if not capturing:
         site.learn_output(out_b, args)
     out_c, err = site._isolated("candidate", site.candidate, *cargs, **ckwargs)

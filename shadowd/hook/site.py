@@ -23,7 +23,7 @@ of both are compared before and after the candidate: a torch in-place write (int
 recorded as ``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
 kernel are out of reach in-process; they are excluded before deployment by the kernel's
 sanitizer runs. The baseline always runs first, on the untouched inputs, and its result is copied when it
-shares memory with a shared input (:meth:`ShadowSite.unaliased`).
+shares memory with a shared input (``ShadowSite._protect``).
 
 Every callback the site does not own — candidate, oracle, sink, bundle writer — runs inside
 :meth:`ShadowSite._isolated`, the one place that handles what they raise. On CUDA tensors the
@@ -256,13 +256,14 @@ class ShadowSite:
         if code == 0:
             return self.baseline(*args, **kwargs)
         rt.calls += 1
-        if self.advances_step(layer):
+        advance = self.advances_step(layer)  # (once per call: it updates the site's mark)
+        if advance:
             rt.step += 1
         b = bucket or Bucket()
         if any(t.is_cuda for t in _tensors(args, kwargs)[:1]):
             from shadowd.hook.cuda_call import device_call
 
-            return device_call(self, args, kwargs, layer, b)
+            return device_call(self, args, kwargs, layer, b, advance)
         step = rt.step
         blocked = rt.disabled or rt.fallback
         if code == 2 and not blocked and rt.config.covered(b.draft_tokens, b.prefix_len):
@@ -290,7 +291,8 @@ class ShadowSite:
     def advances_step(self, layer: int) -> bool:
         """Whether this call starts a new verify step: the first layer's call of the runtime's *first* site (a
         second site sharing the runtime — another op of the same layers — must not advance it again, or sampling
-        and spot checks would skip whole site / layer pairs)."""
+        and spot checks would skip whole site / layer pairs). Ask once per call: the answer updates the site's
+        mark of the step it last saw."""
         if layer != self.first_layer:
             return False
         rt = self.rt
@@ -328,26 +330,21 @@ class ShadowSite:
         return self.flag_error(word) if word else None
 
     def learn_output(self, out_b: Any, args: tuple[Any, ...]) -> None:
-        """Remember what the baseline's output looks like for this call's key (the ``OUT_KEYS_MAX`` latest keys)."""
-        if isinstance(out_b, torch.Tensor):
+        """On mode: remember what the baseline's output looks like for this call's key (the ``OUT_KEYS_MAX`` latest
+        keys); nothing in the other modes (the kill switch only lowers the mode: nothing reads it there)."""
+        if self.rt.mode_code == 2 and isinstance(out_b, torch.Tensor):
             key = out_key(args)
             if key not in self.out_metas and len(self.out_metas) >= OUT_KEYS_MAX:  # the oldest key goes
                 self.out_metas.pop(next(iter(self.out_metas)))
             self.out_metas[key] = _out_meta(out_b, args)
 
-    @staticmethod
-    def unaliased(out_b: Any, watched: list[tuple[torch.Tensor, int]]) -> Any:
-        """The baseline's result, copied when it shares memory with an input the candidate is handed itself (a
-        shared or large one: a baseline writing into a buffer it was given), so that what the candidate then
-        writes there never becomes the result returned."""
-        if isinstance(out_b, torch.Tensor) and watched:
-            ptr = out_b.untyped_storage().data_ptr()
-            if any(t.untyped_storage().data_ptr() == ptr for t, _ in watched):
-                return out_b.clone()
-        return out_b
-
-    def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any], private: set[int] | None = None,
-                 batch: bool = False) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[torch.Tensor, int]]]:
+    def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any], out_b: Any = None,
+                 private: set[int] | None = None, batch: bool = False
+                 ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[torch.Tensor, int]], Any]:
+        """The candidate's arguments, the (tensor, version) pairs to compare after it, and the baseline's result
+        ``out_b``, copied when it shares memory with an input the candidate is handed itself (a shared or large
+        one: a baseline that wrote into a buffer it was given), so that what the candidate writes there never
+        becomes the result returned."""
         # ``private``: ids of tensors that are already the candidate's own copies (a candidate gate's);
         # ``batch``: copy them with clone_many — under graph capture, where launches cost replay time; eagerly the
         # host's time is what a call waits for, and a clone each costs it less than clone_many's views
@@ -367,12 +364,16 @@ class ShadowSite:
                     cloned[id(x)] = x
                 else:
                     watched.append((x, x._version))
+        if isinstance(out_b, torch.Tensor) and watched:  # (the copies below are new memory: never the result's)
+            ptr = out_b.untyped_storage().data_ptr()
+            if any(t.untyped_storage().data_ptr() == ptr for t, _ in watched):
+                out_b = out_b.clone()
         xs = list(cloned.values())
         made = clone_many(xs) if batch else [x.detach().clone() for x in xs]
         watched += [(c, c._version) for c in made]
         copies = dict(zip(cloned, made, strict=True))
         return (tuple(_rebuilt(a, copies) for a in args), {k: _rebuilt(v, copies) for k, v in kwargs.items()},
-                watched)
+                watched, out_b)
 
     def _candidate_error(self, err: str | None, out_c: Any, out_b: Any,
                          watched: list[tuple[torch.Tensor, int]]) -> str | None:
@@ -440,8 +441,7 @@ class ShadowSite:
                  base_us: float) -> Any:
         # _shadow after the baseline: the candidate on protected inputs, the statistics, the sample, the result
         rt = self.rt
-        cargs, ckwargs, watched = self._protect(args, kwargs)
-        out_b = self.unaliased(out_b, watched)
+        cargs, ckwargs, watched, out_b = self._protect(args, kwargs, out_b)
         self.learn_output(out_b, args)
         t2 = time.perf_counter_ns()
         out_c, err = self._isolated("candidate", self.candidate, *cargs, **ckwargs)

@@ -52,6 +52,18 @@ __all__ = ["Streamer", "build_batch"]
 log = logging.getLogger("shadowd.hook")
 
 _FLOAT_COLS = {c.name for c in COLUMNS if c.kind == "float"}
+#: forks this process descends from (counted in the child): a streamer made before the last one is its parent's
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which cannot fork)
+    os.register_at_fork(after_in_child=_count_fork)
+
 #: spooled batches replayed per round of the thread's loop (the queue is served between rounds)
 REPLAY_ROUND = 16
 #: answers of 500 to one batch (a collector failing on it, not an outage: that is 503) before it is dropped
@@ -133,7 +145,7 @@ class Streamer:
         self._last_contact = 0.0
         self._bug_tries = 0  # consecutive 500 answers to the batch at the head of the line
         self._inflight: tuple[int, bytes, int] | None = None  # (seq, body, samples) being posted directly
-        self._pid = os.getpid()  # a forked child (another pid) makes its own thread and queue on its first submit
+        self._forks = _forks  # a forked child (the count moved) makes its own thread and queue on its first submit
         self._accepted = 0  # samples put on the queue (serving thread)
         self._done = 0  # samples taken off it and shipped, spooled or dropped (streamer thread)
         self._thread = threading.Thread(target=self._run, name="shadowd-streamer", daemon=True)
@@ -146,7 +158,7 @@ class Streamer:
     # ---- the serving thread's side -------------------------------------------------------------
     def submit(self, sample: dict[str, Any]) -> bool:
         """Enqueue one sample without waiting; False (and counted) when the queue is full."""
-        if self._pid != os.getpid():
+        if self._forks != _forks:  # (a counter, not os.getpid(): a system call on every sample)
             self._after_fork()
         try:
             self._q.put_nowait(sample)
@@ -165,7 +177,7 @@ class Streamer:
         """The first submit in a forked child: the parent's thread, queue lock and connections do not exist here
         (a lock held at the fork would deadlock the child). The child streams as a producer of its own, into the
         same spool, from a thread of its own — only once it has samples to send."""
-        self._pid = os.getpid()
+        self._forks = _forks
         started = self._thread.ident is not None
         self.producer = uuid.uuid4().hex
         self.seq = 0
