@@ -16,6 +16,7 @@
 | ``SHADOWD_MAX_DRAFT_TOKENS`` / ``SHADOWD_MAX_PREFIX_LEN`` | on-mode coverage (else baseline) | unbounded |
 | ``SHADOWD_ORACLE_CHUNK_ROWS`` | query rows per chunk of the oracle (bounds its memory at long prefixes) | ``64`` |
 | ``SHADOWD_RANK`` (else ``RANK``) | this process's rank, outside SGLang (the SGLang plugin uses the TP rank) | ``0`` |
+| ``SHADOWD_GATE_RUN`` | on mode: serve the candidate once this validate run is READY for it (``hook.gate``) | none |
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ class HookConfig:
     max_draft_tokens: int = 2**31
     max_prefix_len: int = 2**62
     ring_size: int = 4096
+    #: on mode: the validate run whose READY verdict opens the promotion gate (None: no gate)
+    gate_run: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> HookConfig:
@@ -154,6 +157,10 @@ class HookConfig:
             sampling = parse_sampling(e.get("SHADOWD_SAMPLE"))
         except ValueError as err:
             raise ValueError(f"SHADOWD_SAMPLE: {err}") from None
+        gate_run = _int(e, "SHADOWD_GATE_RUN", 0, minimum=1) if e.get("SHADOWD_GATE_RUN") else None
+        if gate_run is not None and mode == "on" and not e.get("SHADOWD_URL"):
+            raise ValueError("SHADOWD_GATE_RUN needs SHADOWD_URL: the gate opens only on the collector's READY "
+                             "verdict, so without a collector on mode would never serve the candidate")
         return cls(
             mode=mode,
             sampling=sampling,
@@ -176,6 +183,7 @@ class HookConfig:
             disable_after=_int(e, "SHADOWD_DISABLE_AFTER", 5, minimum=1),
             max_draft_tokens=_int(e, "SHADOWD_MAX_DRAFT_TOKENS", 2**31, minimum=1),
             max_prefix_len=_int(e, "SHADOWD_MAX_PREFIX_LEN", 2**62, minimum=0),
+            gate_run=gate_run,
         )
 
     def covered(self, draft_tokens: int, prefix_len: int) -> bool:

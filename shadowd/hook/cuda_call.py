@@ -221,7 +221,9 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         log.warning("shadowd[%s]: layer %d is first called under graph capture; its device state comes from the "
                     "graph's memory pool (make one eager call of every layer before capturing)", site.name, layer)
     slot = ds.slot(site, layer)  # made by the first eager call, whatever that call then does (an unchecked one too)
-    code = rt.mode_code
+    # a graph is built for the mode the promotion gate lets it reach (on, while the gate holds it at validate: the
+    # control kernel reads the effective mode on every replay); an eager call acts in the effective mode
+    code = rt.capture_code if capturing else rt.mode_code
     blocked = rt.disabled or rt.fallback
     if blocked:
         if rt.fallback and not rt.disabled and not capturing and rt.config.bundle_dir is not None:

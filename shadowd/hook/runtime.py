@@ -4,8 +4,11 @@ One :class:`HookRuntime` per process (:func:`get_runtime` builds it from the env
 first use); every :class:`shadowd.hook.site.ShadowSite` of the process shares it. It owns:
 
 * the **effective mode**: the configured mode lowered by the collector's kill switch
-  (``mode_override``: ``validate`` or ``off``), mirrored into pinned host memory that the
-  device control kernel reads on every call (so it reaches captured graphs too);
+  (``mode_override``: ``validate`` or ``off``) and, in on mode with ``SHADOWD_GATE_RUN``, held at
+  ``validate`` until the promotion gate opens (:mod:`shadowd.hook.gate`), mirrored into pinned host
+  memory that the device control kernel reads on every call (so it reaches captured graphs too);
+  ``capture_code`` is the mode a graph captured now is built for (the gate's hold aside, so a graph
+  captured while the gate is held serves the candidate once it opens);
 * the sticky process-wide ``disabled`` (candidate errors) and ``fallback`` (on-mode hard
   failure) flags, reported in every batch's ``producer_stats``;
 * the verify-step counter (advanced by the first layer's call) and the sampling decisions;
@@ -39,8 +42,12 @@ class HookRuntime:
         self.config = config or HookConfig.from_env()
         self.sink = sink
         self.override: str | None = None
+        #: on mode with a promotion gate: the candidate is not served (validate) until the gate opens
+        self.gate_held = self.config.mode == "on" and self.config.gate_run is not None
+        self.gate_reason: str | None = "not checked yet" if self.gate_held else None
         self.mode = self.config.mode
         self.mode_code = MODE_CODE[self.mode]
+        self.capture_code = self.mode_code
         self.disabled = False
         self.fallback = False
         self.fallback_reason: str | None = None
@@ -59,6 +66,8 @@ class HookRuntime:
         self.run_id: int | None = None
         self.streamer: Any = None
         self._device: Any = None  # shadowd.hook.device.DeviceState, created on the first CUDA call
+        self.gate: Any = None  # shadowd.hook.gate.PromotionGate, watching once the run is registered
+        self._apply_mode()
 
     # ---- mode and sticky states ----------------------------------------------------------------
     def set_override(self, override: str | None) -> None:
@@ -67,11 +76,37 @@ class HookRuntime:
             log.warning("shadowd: ignoring unknown mode_override %r", override)
             return
         self.override = override
+        self._apply_mode()
+
+    def open_gate(self, why: str) -> None:
+        """The promotion gate opened (:mod:`shadowd.hook.gate`): on mode serves the candidate from the next call."""
+        if self.gate_held:
+            log.warning("shadowd: promotion gate open: %s", why)
+        self.gate_held = False
+        self.gate_reason = None
+        self._apply_mode()
+
+    def start_gate(self, client: Any, own: dict[str, Any]) -> Any:
+        """Watch the promotion gate (on mode with ``SHADOWD_GATE_RUN``) with a client of its own, once this
+        process's run is registered (``own``: what the registration sent); returns the watcher, or None when no
+        gate is held."""
+        if not self.gate_held or self.config.gate_run is None or self.gate is not None:
+            return None
+        from shadowd.hook.gate import PromotionGate
+
+        self.gate = PromotionGate(self, client.fresh(), self.config.gate_run, own).start()
+        return self.gate
+
+    def _apply_mode(self) -> None:
         mode = self.config.mode
-        if override is not None and MODE_CODE[override] < MODE_CODE[mode]:
-            mode = override
+        if self.override is not None and MODE_CODE[self.override] < MODE_CODE[mode]:
+            mode = self.override
+        self.capture_code = MODE_CODE[mode]
+        if self.gate_held and MODE_CODE[mode] > MODE_CODE["validate"]:
+            mode = "validate"
         if mode != self.mode:
-            log.warning("shadowd: mode %s -> %s (kill switch %r)", self.mode, mode, override)
+            log.warning("shadowd: mode %s -> %s (kill switch %r%s)", self.mode, mode, self.override,
+                        ", promotion gate held" if self.gate_held else "")
         self.mode = mode
         self.mode_code = MODE_CODE[mode]
         self._sync_device()
@@ -168,6 +203,7 @@ class HookRuntime:
         answer = client.register_run(body)
         self.run_id = int(answer["id"])
         self.set_override(answer.get("mode_override"))
+        self.start_gate(client, body)
         producer = uuid.uuid4().hex
         spool = Spool(spool_dir(cfg.spool_dir, body["run_key"], cfg.rank, producer), cfg.spool_max_bytes)
         streamer = Streamer(client, self.run_id, spool, producer=producer, queue_max=cfg.queue_max,

@@ -192,6 +192,7 @@ class ProcessSetup:
                     delay = min(delay * 2, 30.0)
             rt.run_id = int(run["id"])
             rt.set_override(run.get("mode_override"))
+            rt.start_gate(client, fields)
             streamer.run_id = rt.run_id  # (last: the streamer's thread then posts, the spooled batches first)
             log.warning("shadowd: run %d (%s), rank %d streaming to the collector; candidate %s, baseline %s",
                         rt.run_id, fields["run_key"], cfg.rank, (fields.get("candidate") or {}).get("fingerprint"),

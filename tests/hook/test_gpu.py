@@ -470,6 +470,37 @@ def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
     assert [s["mode"] for s in _drain(rt)][-1:] == ["validate"]
 
 
+def test_gpu_graph_captured_behind_a_held_promotion_gate_serves_the_candidate_once_it_opens() -> None:
+    """On mode held at validate by the promotion gate: the graph captured meanwhile is built for on mode (with the
+    baseline gate of SGLang's site), serves the baseline while the gate holds and the candidate once it opens —
+    with no recapture; the opening comes from another thread, as the gate's watcher applies it."""
+    rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000, gate_run=7, url="http://c.invalid")
+    assert rt.mode == "validate" and rt.capture_code == 2
+    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
+
+    def base_sized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (gpu_base(a, b).float() * (sizes[0][:1] != 0).float()).to(torch.bfloat16)
+
+    site.baseline, site.baseline_gate = base_sized, _sizes_gate(sizes)
+    g, out = _capture(site, x, w, bucket, warm=2)
+    _drain(rt)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_base(x, w)), "held: the baseline is served, fully computed"
+    held = _drain(rt)
+    assert [r["mode"] for r in held] == ["validate"] * 3, "and compared on every sampled replay"
+    t = threading.Thread(target=rt.open_gate, args=("run 7 is READY",))
+    t.start()
+    t.join()
+    rt.device().settle_control()
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_cand(x, w)), "open: the same graph serves the candidate"
+    assert _drain(rt) == [], "between spot checks nothing is published"
+
+
 def test_gpu_control_word_changed_during_capture_reaches_replays() -> None:
     """A change made on the capturing thread (a candidate disabled during capture, say) cannot be pushed from
     there: the word's copy is captured at that point of the graph (the replay's calls after it see the change)

@@ -92,3 +92,32 @@ def test_on_mode_whose_run_registration_is_refused_serves_the_baseline(sgl: Any,
     while rt.mode != "off" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert rt.mode == "off" and rt.streamer is None and rt.run_id is None
+
+
+def test_on_mode_behind_a_promotion_gate_serves_the_baseline_until_the_gate_run_is_ready(
+        sgl: Any, collector: Collector, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang
+
+    from shadowd.sglang import process
+    from shadowd.sglang.spec import SpecCounters
+
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    with CollectorClient(collector.url) as c:  # the validate launch of the same build, model and TP size
+        fields = process.run_fields("validate-launch", 3, 2, sglang.__version__, "moonshotai/Kimi-K2.6")
+        gate = int(c.register_run(fields)["id"])
+    env = {"SHADOWD_MODE": "on", "SHADOWD_URL": collector.url, "SHADOWD_RUN_KEY": "on-launch",
+           "SHADOWD_SPOOL_DIR": str(tmp_path / "spool"), "SHADOWD_GATE_RUN": str(gate)}
+    rt = process.ProcessSetup(sglang.__version__, SpecCounters(), env=env).setup(_runner(0))
+    assert rt.mode == "validate" and rt.gate_held, "held from the start, before the collector answers"
+    deadline = time.monotonic() + 30
+    while not str(rt.gate_reason).startswith(f"run {gate} is") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # same deployment (no mismatch named), but the gate run has no samples: not READY, so the gate holds
+    assert rt.gate_reason is not None and rt.gate_reason.startswith(f"run {gate} is INSUFFICIENT_DATA"), rt.gate_reason
+    assert rt.run_id is not None and rt.run_id != gate
+    x, w = inputs()
+    site = ShadowSite("sglang.mla_tree_verify", base_fn, cand_fn, runtime=rt)
+    assert site(x, w, layer=0, bucket=Bucket(batch_size=2, draft_tokens=8, prefix_len=4096, heads=8)).equal(
+        base_fn(x, w))
+    rt.gate.stop(5)
+    rt.streamer.close(2.0)

@@ -1,0 +1,149 @@
+"""The promotion gate: on mode serves the candidate only once the collector has judged *this* build READY.
+
+Step 3 of the cutover (docs/deployment.md) is a gate a person or a pipeline runs: ``shadowd readiness --wait``.
+Nothing stopped an on-mode deployment from starting without it, or with a rebuilt kernel that never ran in
+validate. With ``SHADOWD_GATE_RUN=<id>`` the hook enforces the gate itself:
+
+* an on-mode process starts **held**: its effective mode is ``validate`` (the baseline is served, the
+  candidate compared as configured, samples stream to its own on-mode run) — graphs captured meanwhile are
+  built for on mode (``HookRuntime.capture_code``), so they serve the candidate once the gate opens, with no
+  recapture;
+* once the process's run is registered, a thread of its own asks the collector for run ``<id>``
+  (``GET /v1/runs/{id}``) and its stored verdict (``GET /readiness?run_id=<id>``) every :data:`GATE_POLL_S`;
+* the gate **opens** when the verdict is READY *and* that run was judged for this deployment: the same
+  candidate fingerprint, baseline fingerprint, model, layer count and TP size as this process's own run
+  registration (:data:`IDENTITY`). A verdict is evidence for the build, the Triton kernel and the shapes it
+  saw, nothing else;
+* it stays open for the life of the process (the on-mode run's spot checks and the kill switch watch the
+  candidate from then on); the collector's kill switch still lowers the mode whatever the gate says.
+
+The thread never touches the serving path beyond :meth:`HookRuntime.open_gate`. A collector that is down
+keeps the gate held (retried); a run judged for another deployment, an unknown run or a refused request keep
+it held for good (logged once, as an error): the fix is a restart with the right build or ``SHADOWD_GATE_RUN``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from shadowd.client import BatchRejected, CollectorError
+
+__all__ = ["GATE_POLL_S", "IDENTITY", "PromotionGate", "gate_decision", "mismatches"]
+
+log = logging.getLogger("shadowd.hook")
+
+#: seconds between two questions to the collector while the gate is held
+GATE_POLL_S = 10.0
+#: what must be equal between the gate run and this process's run: (label, path into the run's fields)
+IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("candidate fingerprint", ("candidate", "fingerprint")),
+    ("baseline fingerprint", ("baseline", "fingerprint")),
+    ("model", ("model",)),
+    ("layer count", ("num_layers",)),
+    ("TP size", ("tp_size",)),
+)
+
+
+def _at(fields: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    v: Any = fields
+    for key in path:
+        if not isinstance(v, Mapping):
+            return None
+        v = v.get(key)
+    return v
+
+
+def mismatches(gate_run: Mapping[str, Any], own: Mapping[str, Any]) -> list[str]:
+    """What differs between the gate run and this process's run fields (only what this process declares is
+    compared, but a candidate fingerprint must be declared)."""
+    out = []
+    for label, path in IDENTITY:
+        mine = _at(own, path)
+        if mine is None and label != "candidate fingerprint":
+            continue
+        theirs = _at(gate_run, path)
+        if mine is None or theirs != mine:
+            out.append(f"{label} {theirs!r} there, {mine!r} here")
+    return out
+
+
+def gate_decision(gate_id: int, gate_run: Mapping[str, Any], report: Mapping[str, Any],
+                  own: Mapping[str, Any]) -> tuple[bool | None, str]:
+    """Whether the gate opens: (True, why) READY for this deployment; (None, why) not yet (may change: wait);
+    (False, why) never for this process (run ``gate_id`` was judged for another deployment)."""
+    diff = mismatches(gate_run, own)
+    if diff:
+        return False, f"run {gate_id} was judged for another deployment: " + "; ".join(diff)
+    verdict = report.get("verdict")
+    if verdict != "READY":
+        reasons = report.get("reasons") or [report.get("error") or "no reason given"]
+        return None, f"run {gate_id} is {verdict or 'not judged'}: {reasons[0]}"
+    return True, f"run {gate_id} is READY for candidate {_at(own, ('candidate', 'fingerprint'))}"
+
+
+class PromotionGate:
+    """Watches run ``gate_id`` at the collector (``client``) and opens ``rt``'s gate (see the module docstring).
+
+    ``own`` is this process's run registration (what ``POST /v1/runs`` was sent)."""
+
+    def __init__(self, rt: Any, client: Any, gate_id: int, own: Mapping[str, Any],
+                 interval_s: float = GATE_POLL_S) -> None:
+        self.rt = rt
+        self.client = client
+        self.gate_id = gate_id
+        self.own = dict(own)
+        self.interval_s = interval_s
+        self.done = threading.Event()  # set once the gate opened or can never open for this process
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> bool | None:
+        """One question to the collector; applies the answer. Returns :func:`gate_decision`'s first value (None
+        also when the collector could not be asked)."""
+        try:
+            run = self.client.get_run(self.gate_id)
+            _status, report = self.client.readiness(self.gate_id)
+        except BatchRejected as e:
+            return self._settle(False, f"the collector refused the gate's questions about run {self.gate_id} ({e})")
+        except CollectorError as e:
+            return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})")
+        opened, why = gate_decision(self.gate_id, run, report, self.own)
+        return self._settle(opened, why)
+
+    def _settle(self, opened: bool | None, why: str) -> bool | None:
+        rt = self.rt
+        if opened:
+            rt.open_gate(why)
+            self.done.set()
+            return True
+        if why != rt.gate_reason:
+            level = logging.ERROR if opened is False else logging.WARNING
+            log.log(level, "shadowd: promotion gate held (the baseline is served)%s: %s",
+                    " for the life of this process" if opened is False else "", why)
+        rt.gate_reason = why
+        if opened is False:
+            self.done.set()
+        return opened
+
+    def _loop(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.check()
+            except Exception:  # never let the thread die with the gate in an unknown state: it stays held
+                log.exception("shadowd: promotion gate check failed; retrying")
+            if self.done.is_set() or self._stop.wait(self.interval_s):
+                return
+
+    def start(self) -> PromotionGate:
+        """Watch in a daemon thread (at once, then every ``interval_s`` until the gate opens or never can)."""
+        self._thread = threading.Thread(target=self._loop, name="shadowd-gate", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,173 @@
+"""The promotion gate: on mode serves the candidate only once the collector judged this very build READY."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from shadowd.client import CollectorClient
+from shadowd.hook.config import HookConfig
+from shadowd.hook.gate import PromotionGate, gate_decision, mismatches
+from shadowd.hook.site import ShadowSite
+from tests.hook.conftest import RUN, Collector, base_fn, cand_fn, inputs, make_runtime, run_body
+
+GATE = 7
+OWN = dict(RUN, run_key="on-run")
+
+
+class FakeCollector:
+    """``GET /v1/runs/7`` and ``GET /readiness?run_id=7`` answered from settable fields."""
+
+    def __init__(self, verdict: str = "NOT_READY", run: dict[str, Any] | None = None) -> None:
+        self.verdict = verdict
+        self.run = dict(RUN, id=GATE, run_key="validate-run") if run is None else run
+        self.down = False
+        self.asked: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.asked.append(request.url.path)
+        if self.down:
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == f"/v1/runs/{GATE}":
+            return httpx.Response(200, json=self.run)
+        if request.url.path == "/readiness" and request.url.params.get("run_id") == str(GATE):
+            body = {"verdict": self.verdict, "reasons": [] if self.verdict == "READY" else ["exceedance 3 %"],
+                    "candidate_fingerprint": self.run["candidate"]["fingerprint"]}
+            return httpx.Response(200 if self.verdict == "READY" else 503, json=body)
+        return httpx.Response(404, json={"detail": f"run {request.url.path} not found"})
+
+
+def gated_runtime(**kw: Any) -> tuple[Any, Any]:
+    return make_runtime("on", gate_run=GATE, spot_every=1000, url="http://collector.invalid", **kw)
+
+
+def client_for(fake: FakeCollector) -> CollectorClient:
+    return CollectorClient("http://collector.invalid", transport=httpx.MockTransport(fake))
+
+
+# ---- configuration ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw", ["abc", "0", "-3", "7.5"])
+def test_a_bad_gate_run_is_refused_naming_the_variable(raw: str) -> None:
+    with pytest.raises(ValueError, match="SHADOWD_GATE_RUN"):
+        HookConfig.from_env({"SHADOWD_MODE": "on", "SHADOWD_URL": "http://c:8787", "SHADOWD_GATE_RUN": raw})
+
+
+def test_on_mode_with_a_gate_needs_a_collector() -> None:
+    with pytest.raises(ValueError, match="SHADOWD_GATE_RUN needs SHADOWD_URL"):
+        HookConfig.from_env({"SHADOWD_MODE": "on", "SHADOWD_GATE_RUN": "7"})
+    cfg = HookConfig.from_env({"SHADOWD_MODE": "on", "SHADOWD_URL": "http://c:8787", "SHADOWD_GATE_RUN": " 7 "})
+    assert cfg.gate_run == 7
+    assert HookConfig.from_env({"SHADOWD_MODE": "on"}).gate_run is None
+
+
+# ---- the runtime's modes ---------------------------------------------------------------------------------------
+def test_a_held_gate_serves_validate_and_graphs_are_built_for_on() -> None:
+    rt, _ = gated_runtime()
+    assert (rt.mode, rt.capture_code, rt.gate_held) == ("validate", 2, True)
+    rt.set_override("off")  # the kill switch lowers below the hold, for graphs too
+    assert (rt.mode, rt.capture_code) == ("off", 0)
+    rt.set_override(None)
+    assert (rt.mode, rt.capture_code) == ("validate", 2)
+    rt.open_gate("test")
+    assert (rt.mode, rt.mode_code, rt.gate_held) == ("on", 2, False)
+    rt.set_override("validate")  # the kill switch still acts once the gate is open
+    assert rt.mode == "validate"
+
+
+def test_validate_mode_ignores_the_gate() -> None:
+    rt, _ = make_runtime("validate", gate_run=GATE)
+    assert (rt.mode, rt.gate_held) == ("validate", False)
+    assert rt.start_gate(object(), OWN) is None
+
+
+# ---- the decision ----------------------------------------------------------------------------------------------
+def test_the_decision_opens_only_on_ready_for_this_deployment() -> None:
+    run = dict(RUN, id=GATE)
+    assert gate_decision(GATE, run, {"verdict": "READY"}, OWN)[0] is True
+    opened, why = gate_decision(GATE, run, {"verdict": "NOT_READY", "reasons": ["layer 3 drifts"]}, OWN)
+    assert opened is None and why == "run 7 is NOT_READY: layer 3 drifts"
+    other = dict(run, candidate={"name": "cand", "fingerprint": "c0"}, tp_size=2)
+    opened, why = gate_decision(GATE, other, {"verdict": "READY"}, OWN)
+    assert opened is False
+    assert "candidate fingerprint 'c0' there, 'c1' here" in why and "TP size 2 there, 1 here" in why
+
+
+def test_a_process_without_a_candidate_fingerprint_never_opens() -> None:
+    own = {k: v for k, v in OWN.items() if k != "candidate"}
+    assert mismatches(dict(RUN), own) == ["candidate fingerprint 'c1' there, None here"]
+    own_partial = {"candidate": {"fingerprint": "c1"}}  # only what the process declares is compared beside it
+    assert mismatches(dict(RUN, model="other"), own_partial) == []
+
+
+# ---- the gate in front of a call site --------------------------------------------------------------------------
+def test_the_candidate_is_served_only_once_the_gate_run_is_ready() -> None:
+    rt, sink = gated_runtime()
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    assert not torch.equal(base_fn(x, w), cand_fn(x, w))
+    fake = FakeCollector("NOT_READY")
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN)
+    assert gate.check() is None
+    for _ in range(3):
+        assert torch.equal(site(x, w, layer=0), base_fn(x, w)), "held: the baseline is served"
+    assert sink[-1]["mode"] == "validate", "and the candidate compared as in validate"
+    assert rt.gate_reason == "run 7 is NOT_READY: exceedance 3 %"
+    fake.verdict = "READY"
+    assert gate.check() is True and gate.done.is_set()
+    outs = [site(x, w, layer=0) for _ in range(3)]
+    assert all(torch.equal(o, cand_fn(x, w)) for o in outs), "open: the candidate is served"
+
+
+def test_a_gate_run_of_another_build_holds_for_good(caplog: pytest.LogCaptureFixture) -> None:
+    rt, _ = gated_runtime()
+    fake = FakeCollector("READY", run=dict(RUN, id=GATE, candidate={"name": "cand", "fingerprint": "c-old"}))
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN)
+    with caplog.at_level(logging.ERROR, logger="shadowd.hook"):
+        assert gate.check() is False
+    assert rt.mode == "validate" and gate.done.is_set()
+    assert "for the life of this process" in caplog.text and "'c-old' there, 'c1' here" in caplog.text
+
+
+def test_an_unreachable_collector_keeps_the_gate_held_and_is_retried() -> None:
+    rt, _ = gated_runtime()
+    fake = FakeCollector("READY")
+    fake.down = True
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN, interval_s=0.01).start()
+    try:
+        while len(fake.asked) < 3:  # asked again and again while the collector is down
+            gate.done.wait(0.01)
+        assert rt.mode == "validate" and "could not be asked" in str(rt.gate_reason)
+        fake.down = False
+        assert gate.done.wait(10), "opens once the collector answers READY"
+    finally:
+        gate.stop(5)
+    assert rt.mode == "on"
+
+
+def test_an_unknown_gate_run_holds_for_good() -> None:
+    rt, _ = gated_runtime()
+    fake = FakeCollector("READY")
+    gate = PromotionGate(rt, client_for(fake), 99, OWN)
+    assert gate.check() is False and rt.mode == "validate"
+    assert "refused" in str(rt.gate_reason) and "99" in str(rt.gate_reason)
+
+
+def test_start_streaming_watches_the_gate_against_a_real_collector(collector: Collector, tmp_path: Any) -> None:
+    """Registered with a real collector: the gate run there is of another build, so the gate stays held."""
+    with CollectorClient(collector.url) as c:
+        gate_id = int(c.register_run(dict(run_body("validate-run"),
+                                          candidate={"name": "cand", "fingerprint": "c-old"}))["id"])
+    rt, _ = make_runtime("on", gate_run=gate_id, url=collector.url, spool_dir=tmp_path, poll_interval_s=0.05)
+    streamer = rt.start_streaming(run_body("on-run"))
+    try:
+        assert rt.gate is not None and rt.gate.done.wait(20)
+        assert rt.mode == "validate" and rt.gate_held
+        assert json.dumps(rt.gate_reason).count("c-old") == 1
+    finally:
+        rt.gate.stop(5)
+        streamer.close(2.0)
