@@ -47,6 +47,31 @@ def find_nvcc() -> str | None:
     return None
 
 
+def _arch(code: str) -> tuple[int, int]:
+    digits = code.split("_")[-1].rstrip("af")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def runs_on(capability: tuple[int, int], gencode: tuple[str, ...] = DEFAULT_GENCODE) -> bool:
+    """Whether a library built with ``gencode`` has code for a GPU of this compute capability: a cubin of the
+    same major version and a minor version no newer (sm_120 machine code runs on sm_121), or PTX of a virtual
+    architecture no newer than the GPU (compute_120 is JIT-compiled on sm_12x and later, never on sm_100)."""
+    cap = (int(capability[0]), int(capability[1]))
+    for g in gencode:
+        code = g.split("code=")[-1]
+        arch = _arch(code)
+        if code.startswith("sm_") and arch[0] == cap[0] and arch[1] <= cap[1]:
+            return True
+        if code.startswith("compute_") and arch <= cap:
+            return True
+    return False
+
+
+def targets(gencode: tuple[str, ...] = DEFAULT_GENCODE) -> str:
+    """The targets of a build, for messages: ``sm_90, sm_120, compute_120 (PTX)``."""
+    return ", ".join(g.split("code=")[-1] + (" (PTX)" if "code=compute_" in g else "") for g in gencode)
+
+
 def source_files() -> list[Path]:
     return sorted(p for p in CSRC.rglob("*") if p.suffix in {".cu", ".cuh", ".h"})
 

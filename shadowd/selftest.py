@@ -149,7 +149,8 @@ def _line(i: int, n: int, r: CaseResult) -> str:
 
 
 def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None] = print) -> int:
-    """The CLI: 0 when every case passes on this machine's GPU, 1 when any fails, 2 without CUDA."""
+    """The CLI: 0 when every case passes on this machine's GPU, 1 when any fails (or the kernel's build targets
+    have no code for this GPU), 2 without CUDA."""
     if not torch.cuda.is_available():
         echo("selftest needs a CUDA GPU: run it on the machine the candidate will serve on")
         return 2
@@ -164,6 +165,12 @@ def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None
     echo(f"GPU: {name} (sm_{cap[0]}{cap[1]}); "
          + (f"the prebuilt kernel library {prebuilt} (MLA_TREE_VERIFY_LIB)" if prebuilt
             else "building the kernel (cached after the first time)..."))
+    from mla_tree_verify import _build
+
+    if not prebuilt and not _build.runs_on(cap):  # (a prebuilt library may have been built for other targets)
+        echo(f"{name} is sm_{cap[0]}{cap[1]}: mla_tree_verify is built for {_build.targets()}, which have no code "
+             "for this GPU (set MLA_TREE_VERIFY_LIB to a library built for it)")
+        return 1
     try:  # the library the candidate will load, as it loads it (a prebuilt one too): that is what is tested
         lib = _lib.load()
         echo(f"kernel library: {lib._name}")

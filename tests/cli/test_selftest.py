@@ -76,3 +76,31 @@ def test_selftest_without_cuda_exits_2():
     lines = []
     assert selftest_main(echo=lines.append) == 2
     assert "CUDA" in lines[0]
+
+
+@pytest.mark.parametrize(("cap", "runs"), [((9, 0), True), ((12, 0), True), ((12, 1), True), ((13, 0), True),
+                                           ((8, 9), False), ((8, 0), False), ((10, 0), False), ((11, 0), False)])
+def test_the_kernel_build_says_which_gpus_it_has_code_for(cap, runs):
+    from mla_tree_verify import _build
+
+    # sm_90 and sm_120 cubins, compute_120 PTX: sm_121 runs the sm_120 cubin, a later part JIT-compiles the PTX,
+    # Ada / Ampere / sm_100 have nothing
+    assert _build.runs_on(cap) is runs
+    assert _build.targets() == "sm_90, sm_120, compute_120 (PTX)"
+
+
+def test_selftest_on_a_gpu_outside_the_build_targets_says_so_without_building(monkeypatch):
+    from mla_tree_verify import _lib
+
+    monkeypatch.delenv("MLA_TREE_VERIFY_LIB", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L40S")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+
+    def no_build():
+        raise AssertionError("built for a GPU it cannot run on")
+
+    monkeypatch.setattr(_lib, "load", no_build)
+    lines = []
+    assert selftest_main(echo=lines.append) == 1
+    assert "NVIDIA L40S is sm_89" in lines[-1] and "sm_90, sm_120, compute_120 (PTX)" in lines[-1], lines
