@@ -2,8 +2,8 @@
 
 Each returns a :class:`~shadowd.judge.report.Criterion`. Order matters only for reading:
 hard failures first, then tolerance (scale-free statistics first), the oracle rule, the
-exceedance rate, traffic volume, coverage and drift. Hysteresis and the fingerprint are in
-:mod:`shadowd.judge.hysteresis`.
+exceedance rate, traffic volume and coverage. Drift is in :mod:`shadowd.judge.drift`, hysteresis and the
+fingerprint in :mod:`shadowd.judge.hysteresis`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from shadowd.judge.report import FAIL, INSUFFICIENT, PASS, Criterion, bucket_lab
 from shadowd.judge.stats import lower_bound, steps_needed, upper_bound
 
 __all__ = [
-    "DRIFT_FLOOR",
     "TOL_STATS",
     "baseline_events",
     "coverage",
-    "drift",
     "exceedance",
     "fold_layers",
     "hard_failures",
+    "mean_of",
+    "not_le",
     "oracle",
     "requests",
     "time_span",
@@ -41,8 +41,6 @@ TOL_STATS = (
     ("cos_diff", "sum_cos_diff", "cos_diff_max"),
     ("scaled_max_abs", "sum_scaled", "scaled_max_abs_max"),
 )
-#: drift ignores recent-vs-history differences below this fraction of the tolerance (noise floor)
-DRIFT_FLOOR = 0.01
 
 _FOLD = ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "n_oracle",
          "sum_rel_l2", "sum_cos_diff", "sum_scaled", "sum_max_abs")
@@ -63,11 +61,11 @@ def fold_layers(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
     return out
 
 
-def _mean(total: float, n: float) -> float:
+def mean_of(total: float, n: float) -> float:
     return total / n if n > 0 else float("nan")
 
 
-def _not_le(x: float, limit: float) -> bool:
+def not_le(x: float, limit: float) -> bool:
     """True unless ``x <= limit`` (NaN is never within a limit)."""
     return not x <= limit
 
@@ -128,9 +126,9 @@ def tolerance(r: RunRollups, p: Policy) -> Criterion:
         seen += 1
         bad = False
         for name, col, _ in TOL_STATS:
-            m = _mean(_f(c, col), n)
+            m = mean_of(_f(c, col), n)
             worst[name] = float("nan") if math.isnan(m) or math.isnan(worst[name]) else max(worst[name], m)
-            if _not_le(m, limits[name]):
+            if not_le(m, limits[name]):
                 bad = True
         explained = _f(c, "n_base_nonfinite") + _f(c, "n_cand_nonfinite") + _f(c, "n_error")
         unexplained = _f(c, "n_nan_stat") - explained
@@ -143,7 +141,7 @@ def tolerance(r: RunRollups, p: Policy) -> Criterion:
     if not seen:
         return Criterion("tolerance", INSUFFICIENT, None, limits, "no samples yet")
     for name, limit in limits.items():
-        if _not_le(worst[name], limit):
+        if not_le(worst[name], limit):
             problems.append(f"mean {name} {worst[name]:.3g} > {limit:.3g}")
     if unexplained_total:
         problems.append(f"{unexplained_total} calls with NaN error statistics and no non-finite output "
@@ -169,7 +167,7 @@ def oracle(r: RunRollups, p: Policy) -> Criterion:
             medians[layer] = hist_quantile_upper(h, 0.5)
     if not medians:
         return Criterion("oracle", PASS, None, p.oracle_k, "no oracle samples (rule not applicable)")
-    bad = sorted(lay for lay, m in medians.items() if _not_le(m, p.oracle_k))
+    bad = sorted(lay for lay, m in medians.items() if not_le(m, p.oracle_k))
     worst = max(medians.values(), key=lambda v: float("inf") if math.isnan(v) else v)
     detail = (f"median candidate/baseline oracle error ratio ≤ {worst:.3g} in layers {bad} "
               f"is above k={p.oracle_k}"
@@ -333,73 +331,3 @@ def coverage(r: RunRollups, p: Policy) -> Criterion:
     return Criterion("coverage", PASS, observed, need,
                      f"all {len(layers)} layers and {len(per_bucket)} shape buckets have ≥ {need} samples, "
                      f"in every layer on {'each of the ' + str(ranks) + ' ranks' if ranks > 1 else 'the one rank'}")
-
-
-# ---- drift -------------------------------------------------------------------------------------
-def _drift_check(recent: dict[str, float], hist: dict[str, float], p: Policy) -> list[str]:
-    """Statistics whose recent mean is worse than history × ratio (+ a noise floor).
-
-    The cosine difference is a squared error (≈ rel-L2² / 2), so it is held to ratio².
-    """
-    worse = []
-    for name, col, tol in TOL_STATS:
-        rm, hm = _mean(recent[col], recent["n"]), _mean(hist[col], hist["n"])
-        ratio = p.drift_ratio**2 if name == "cos_diff" else p.drift_ratio
-        if _not_le(rm, ratio * hm + DRIFT_FLOOR * p.tol(tol)):
-            worse.append(name)
-    return worse
-
-
-def drift(r: RunRollups, p: Policy) -> Criterion:
-    """The recent window (``drift_window_s`` before :attr:`RunRollups.recent_end`: the evaluation, or the newest
-    sample of a run whose traffic stopped) vs the run's earlier history.
-
-    Judged overall and per layer where both sides hold ``drift_min_samples``; also fails when
-    the recent window's own exceedance rate is above the target with confidence. Too few samples on
-    either side overall is insufficient data. The window never ends after the collector's clock, so no
-    producer's clock moves it there.
-    """
-    cut = r.recent_end - p.drift_window_s
-    recent_rows = [s for s in r.slots if float(s["t"]) >= cut]
-    hist_rows = [s for s in r.slots if float(s["t"]) < cut]
-    rl, hl = fold_layers(recent_rows), fold_layers(hist_rows)
-    tot_r: dict[str, float] = defaultdict(float)
-    tot_h: dict[str, float] = defaultdict(float)
-    for a, tot in ((rl, tot_r), (hl, tot_h)):
-        for row in a.values():
-            for k, v in row.items():
-                tot[k] += v
-    need = p.drift_min_samples
-    ratios = {name: _mean(_mean(tot_r[col], tot_r["n"]), _mean(tot_h[col], tot_h["n"]))
-              for name, col, _ in TOL_STATS}
-    observed: dict[str, Any] = {"recent_samples": tot_r["n"], "history_samples": tot_h["n"],
-                                **{f"{k}_ratio": v for k, v in ratios.items()}}
-    problems: list[str] = []
-    bad_layers: list[int] = []
-    judged = tot_r["n"] >= need and tot_h["n"] >= need
-    if judged:
-        worse = _drift_check(tot_r, tot_h, p)
-        if worse:
-            problems.append("recent mean " + ", ".join(f"{w} is {ratios[w]:.3g}× history" for w in worse)
-                            + f" (limit {p.drift_ratio:g}×)")
-        for lay in sorted(set(rl) & set(hl)):
-            if rl[lay]["n"] >= need and hl[lay]["n"] >= need and _drift_check(rl[lay], hl[lay], p):
-                bad_layers.append(lay)
-        if bad_layers and not worse:
-            problems.append(f"{len(bad_layers)} layers' recent mean error above {p.drift_ratio:g}× "
-                            "their history")
-    if r.steps.policy_hash == p.hash() and r.steps.recent_total:
-        lo = lower_bound(r.steps.recent_exceeded, r.steps.recent_total, p.confidence)
-        observed["recent_exceedance_lower"] = lo
-        if lo > p.target_rate:
-            problems.append(f"recent window: {r.steps.recent_exceeded}/{r.steps.recent_total} steps exceed, "
-                            f"lower bound {lo:.3g} > target {p.target_rate:.3g}")
-    threshold = {"ratio": p.drift_ratio, "window_s": p.drift_window_s, "min_samples": need}
-    if problems:
-        return Criterion("drift", FAIL, observed, threshold, "; ".join(problems), bad_layers, extra={"judged": judged})
-    if not judged:
-        detail = (f"not enough samples to judge drift: {tot_r['n']:.0f} in the last {p.drift_window_s:g} s, "
-                  f"{tot_h['n']:.0f} before (need {need} each)")
-        return Criterion("drift", INSUFFICIENT, observed, threshold, detail, extra={"judged": judged})
-    return Criterion("drift", PASS, observed, threshold, "recent window within the ratio of history",
-                     extra={"judged": judged})

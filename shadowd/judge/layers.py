@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shadowd.judge.criteria import DRIFT_FLOOR, TOL_STATS, fold_layers
+from shadowd.judge.criteria import TOL_STATS, fold_layers, mean_of
+from shadowd.judge.drift import DRIFT_FLOOR
 from shadowd.judge.inputs import RunRollups
 from shadowd.judge.policy import Policy
 from shadowd.judge.report import jsonable
 
 __all__ = ["layer_table"]
-
-
-def _mean(total: float, n: float) -> float:
-    return total / n if n > 0 else float("nan")
 
 
 def layer_table(r: RunRollups, p: Policy) -> list[dict[str, Any]]:
@@ -35,18 +32,18 @@ def layer_table(r: RunRollups, p: Policy) -> list[dict[str, Any]]:
             problems.append(f"{int(a['n_cand_nonfinite'])} candidate-only non-finite calls")
         if a.get("n_error"):
             problems.append(f"{int(a['n_error'])} candidate errors")
-        means = {name: _mean(a.get(col, 0.0), n) for name, col, _ in TOL_STATS}
+        means = {name: mean_of(a.get(col, 0.0), n) for name, col, _ in TOL_STATS}
         for name, _, tol in TOL_STATS:
             if n and not means[name] <= p.tol(tol):
                 problems.append(f"mean {name} {means[name]:.3g} > {p.tol(tol):.3g}")
         if n < p.min_cell_samples:
             problems.append(f"{int(n)} samples < {p.min_cell_samples}")
         ra, ha = recent.get(lay, {}), history.get(lay, {})
-        ratio = _mean(_mean(ra.get("sum_rel_l2", 0.0), ra.get("n", 0.0)),
-                      _mean(ha.get("sum_rel_l2", 0.0), ha.get("n", 0.0)))
+        ratio = mean_of(mean_of(ra.get("sum_rel_l2", 0.0), ra.get("n", 0.0)),
+                      mean_of(ha.get("sum_rel_l2", 0.0), ha.get("n", 0.0)))
         if (ra.get("n", 0.0) >= p.drift_min_samples and ha.get("n", 0.0) >= p.drift_min_samples
-                and not _mean(ra["sum_rel_l2"], ra["n"])
-                <= p.drift_ratio * _mean(ha["sum_rel_l2"], ha["n"]) + DRIFT_FLOOR * p.tol("rel_l2_max")):
+                and not mean_of(ra["sum_rel_l2"], ra["n"])
+                <= p.drift_ratio * mean_of(ha["sum_rel_l2"], ha["n"]) + DRIFT_FLOOR * p.tol("rel_l2_max")):
             problems.append(f"recent rel_l2 {ratio:.3g}× history")
         status = "fail" if (a.get("n_cand_nonfinite") or a.get("n_error") or any(
             "mean" in x or "history" in x for x in problems)) else ("insufficient" if problems else "ok")
@@ -57,7 +54,7 @@ def layer_table(r: RunRollups, p: Policy) -> list[dict[str, Any]]:
             "samples": int(n),
             "buckets": buckets.get(lay, 0),
             "exceeded_calls": int(a.get("n_exceed", 0)),
-            "exceeded_rate": _mean(a.get("n_exceed", 0.0), n) if n else None,
+            "exceeded_rate": mean_of(a.get("n_exceed", 0.0), n) if n else None,
             "errors": int(a.get("n_error", 0)),
             "cand_nonfinite": int(a.get("n_cand_nonfinite", 0)),
             "base_nonfinite": int(a.get("n_base_nonfinite", 0)),

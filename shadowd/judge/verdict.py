@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from shadowd.judge import criteria as c
+from shadowd.judge.drift import drift
 from shadowd.judge.hysteresis import hysteresis
 from shadowd.judge.inputs import RunRollups
 from shadowd.judge.policy import Policy
@@ -26,7 +27,7 @@ __all__ = ["CRITERIA", "INSUFFICIENT_DATA", "NOT_READY", "READY", "evaluate_crit
 
 #: the statistical criteria in report order (hysteresis comes last, from the stored history)
 CRITERIA = (c.hard_failures, producers, c.tolerance, c.oracle, c.exceedance, c.requests, c.time_span, c.coverage,
-            c.drift, c.baseline_events)
+            drift, c.baseline_events)
 
 
 def evaluate_criteria(r: RunRollups, policy: Policy) -> list[Criterion]:
