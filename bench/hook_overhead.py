@@ -6,6 +6,11 @@ Measures (best of 5 repeats, per call):
 * on mode on an unchecked step (the candidate's output checked on its own, without the baseline);
 * the enqueue cost: ``Streamer.submit`` of one sample (``put_nowait``), sender thread running;
 * a full validate call on tiny tensors (statistics on the calling thread, CPU path).
+
+``--cuda`` (on a GPU machine) adds the same per-call rows with CUDA tensors: the host time the serving thread
+spends in the hook on an eager call (off; validate unsampled; on between spot checks — the candidate served, its
+output's type and meta checked without reading values). The implementations return a preallocated tensor and
+launch nothing, so the rows are the hook's own host cost.
 Appends a markdown block to ``bench/results/hook-<date>.md`` (``--no-write`` to skip).
 """
 
@@ -66,9 +71,44 @@ def per_call(fn, n: int) -> float:
     return best
 
 
+def cuda_rows() -> str:
+    """The eager per-call host cost with CUDA tensors (see the module docstring)."""
+    if not torch.cuda.is_available():
+        return "- --cuda: no CUDA device here, rows skipped\n"
+    dev = torch.device("cuda")
+    x = torch.zeros(4, 512, device=dev, dtype=torch.bfloat16)
+    out = torch.zeros(4, 512, device=dev, dtype=torch.bfloat16)
+
+    def impl(x: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def site(mode: str, **cfg: int) -> ShadowSite:
+        return ShadowSite("c", impl, impl, runtime=HookRuntime(HookConfig(mode=mode, **cfg), sink=lambda s: None))
+
+    off = site("off")
+    unsampled = ShadowSite("c", impl, impl, runtime=HookRuntime(
+        HookConfig(mode="validate", sampling=Sampling(10**9)), sink=lambda s: None))
+    unchecked = site("on", spot_every=10**9)
+    for s in (off, unsampled, unchecked):  # first calls: device state, kernels compiled, the output key learnt
+        for _ in range(3):
+            s(x, layer=0)
+    torch.cuda.synchronize()
+    n = 20_000
+    direct = per_call(lambda: impl(x), n)
+    rows = {name: per_call(lambda s=s: s(x, layer=0), n) for name, s in
+            (("off", off), ("validate, unsampled", unsampled), ("on, unchecked", unchecked))}
+    torch.cuda.synchronize()
+    md = f"- CUDA tensors ({torch.cuda.get_device_name()}), eager, host time per call on the serving thread:\n"
+    md += f"  - implementation called directly: {direct * 1e6:.3f} µs\n"
+    for name, t in rows.items():
+        md += f"  - {name}: {t * 1e6:.3f} µs (overhead {(t - direct) * 1e6:.3f} µs)\n"
+    return md
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="also the eager per-call host cost with CUDA tensors")
     args = ap.parse_args()
     torch.set_num_threads(1)
     x = torch.zeros(4, 4)
@@ -115,6 +155,8 @@ def main() -> int:
           f"(overhead {(on_t - direct) * 1e6:.3f} µs)\n"
           f"- enqueue (Streamer.submit, put_nowait) with the sender running: {enq * 1e6:.3f} µs per sample\n"
           f"- full validate call, 16×64 bf16, statistics on the CPU: {full_t * 1e6:.1f} µs per call\n")
+    if args.cuda:
+        md += cuda_rows()
     print(md)
     if not args.no_write:
         append_results("hook", now, md + "\n")

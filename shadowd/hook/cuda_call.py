@@ -68,7 +68,7 @@ import triton
 from shadowd.hook.device import DeviceState, Slot
 from shadowd.hook.diffstats import empty_stats
 from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats
-from shadowd.hook.site import out_key
+from shadowd.hook.site import first_tensor, meta_error
 from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:
@@ -235,8 +235,9 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     if not capturing:
         if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
             # (an output key not seen on a compared call yet — the first call — is checked)
-            key = out_key(args)
-            if not rt.spot_checked(rt.step) and site.check_step != rt.step and key in site.out_metas:
+            t0 = first_tensor(args)
+            want = site.out_metas.get(None if t0 is None else (t0.shape[1:], t0.dtype))  # (out_key's key)
+            if want is not None and not rt.spot_checked(rt.step) and site.check_step != rt.step:
                 word = _flag_seen(site)
                 if word:  # raised by an earlier unchecked call: no candidate from here on
                     rt.fall_back(f"the candidate's error flag: {site.flag_text(word)}")
@@ -246,9 +247,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
                     site.check_step = rt.step + 1
                 out, err = site._isolated("candidate", site.candidate, *args, **kwargs)
                 if err is None:  # no tensor, or unlike the baseline's output (no values read: no synchronisation)
-                    found, ierr = site._isolated("candidate output", site.unchecked_error, out, args, b, [], True,
-                                                 key)
-                    err = ierr or found
+                    err = meta_error(out, t0, want)
                 if err is None:
                     if layer == site.first_layer:
                         _watch_flag(site)

@@ -47,7 +47,8 @@ from shadowd.hook.copies import clone_many
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "max_abs_chunked", "out_key"]
+__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "first_tensor", "max_abs_chunked",
+           "meta_error", "out_key"]
 
 log = logging.getLogger("shadowd.hook")
 
@@ -138,24 +139,43 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor
     return out
 
 
-def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
+def first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The first positional tensor argument (what :func:`out_key` and output metas are taken from), or None."""
     return next((a for a in args if isinstance(a, torch.Tensor)), None)
 
 
 def out_key(args: tuple[Any, ...]) -> Any:
     """What the expected output's dtype, device and trailing shape are keyed by: the first tensor argument's
     trailing shape and dtype (SGLang's verify: q's heads and width)."""
-    t0 = _first_tensor(args)
+    t0 = first_tensor(args)
     return None if t0 is None else (t0.shape[1:], t0.dtype)
 
 
 def _out_meta(out: torch.Tensor, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What an output must look like for the same key (:func:`out_key`): dtype, device, rank, trailing shape and
     whether its rows follow the first tensor argument's."""
-    t0 = _first_tensor(args)
+    return _meta_of(out, first_tensor(args))
+
+
+def _meta_of(out: torch.Tensor, t0: torch.Tensor | None) -> tuple[Any, ...]:
     n = out.dim()
     follows = t0 is not None and n > 0 and t0.dim() > 0 and out.shape[0] == t0.shape[0]
     return out.dtype, out.device, n, out.shape[1:], follows
+
+
+def meta_error(out: Any, t0: torch.Tensor | None, want: tuple[Any, ...] | None) -> str | None:
+    """What is wrong with a candidate output ``out`` that shows without reading a value: no tensor (``type``), or
+    unlike the baseline's output for the same key (``want``, :func:`_out_meta`; None: not known): ``dtype`` or
+    ``shape`` (device, rank, trailing shape, rows). ``t0``: the call's first tensor argument. Attribute reads only:
+    it cannot synchronise, and cannot raise on a tensor."""
+    if not isinstance(out, torch.Tensor):
+        return "type"
+    if want is None:
+        return None
+    got = _meta_of(out, t0)
+    if got != want:
+        return "dtype" if got[0] != want[0] else "shape"
+    return None
 
 
 class ShadowSite:
@@ -315,14 +335,9 @@ class ShadowSite:
         ``key``: :func:`out_key` of ``args`` when the caller has it."""
         if any(t._version != v for t, v in versions):
             return "input_modified"
-        if not isinstance(out, torch.Tensor):
-            return "type"
-        want = self.out_metas.get(out_key(args) if key is None else key)
-        got = _out_meta(out, args)
-        if want is not None and got != want:
-            return "dtype" if got[0] != want[0] else "shape"
-        if device:
-            return None
+        wrong = meta_error(out, first_tensor(args), self.out_metas.get(out_key(args) if key is None else key))
+        if wrong is not None or device:
+            return wrong
         valid = b.valid_rows if isinstance(b.valid_rows, int) and out.dim() else None
         if not bool(torch.isfinite(out if valid is None else out[:valid]).all()):  # (padded rows: not served)
             return "nonfinite"
