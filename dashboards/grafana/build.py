@@ -156,7 +156,10 @@ def _panel(
 
 
 def _p99_heatmap(stat: str, label: str) -> dict[str, Any]:
-    expr = f"histogram_quantile(0.99, max by (layer, le) (rate(shadowd_call_{stat}_bucket{{{RL}}}{RI})))"
+    expr = (
+        f"histogram_quantile(0.99, sum by (layer, le) (max by (run, layer, le) "
+        f"(rate(shadowd_call_{stat}_bucket{{{RL}}}{RI}))))"
+    )
     return _panel(
         "heatmap",
         f"p99 per-call {label} by layer",
@@ -262,7 +265,7 @@ def build() -> dict[str, Any]:
             "Distribution of per-call rel-L2",
             [
                 _target(
-                    f"sum by (le) (max by (layer, le) (rate(shadowd_call_rel_l2_bucket{{{RL}}}{RI})))",
+                    f"sum by (le) (max by (run, layer, le) (rate(shadowd_call_rel_l2_bucket{{{RL}}}{RI})))",
                     "{{le}}",
                     fmt="heatmap",
                 )
@@ -281,18 +284,18 @@ def build() -> dict[str, Any]:
             "rel-L2 quantiles (all selected layers)",
             [
                 _target(
-                    f"histogram_quantile(0.5, sum by (le) (max by (layer, le) "
+                    f"histogram_quantile(0.5, sum by (le) (max by (run, layer, le) "
                     f"(rate(shadowd_call_rel_l2_bucket{{{RL}}}{RI}))))",
                     "p50",
                 ),
                 _target(
-                    f"histogram_quantile(0.99, sum by (le) (max by (layer, le) "
+                    f"histogram_quantile(0.99, sum by (le) (max by (run, layer, le) "
                     f"(rate(shadowd_call_rel_l2_bucket{{{RL}}}{RI}))))",
                     "p99",
                     ref="B",
                 ),
                 _target(
-                    f"histogram_quantile(0.999, sum by (le) (max by (layer, le) "
+                    f"histogram_quantile(0.999, sum by (le) (max by (run, layer, le) "
                     f"(rate(shadowd_call_rel_l2_bucket{{{RL}}}{RI}))))",
                     "p99.9",
                     ref="C",
@@ -343,7 +346,13 @@ def build() -> dict[str, Any]:
         _panel(
             "bargauge",
             "Samples per layer",
-            [_target(f"max by (layer) (shadowd_layer_samples_total{{{RL}}})", "{{layer}}", instant=True)],
+            [
+                _target(
+                    f"sum by (layer) (max by (run, layer) (shadowd_layer_samples_total{{{RL}}}))",
+                    "{{layer}}",
+                    instant=True,
+                )
+            ],
             "Calls compared per layer (rollups); a missing layer was never shadowed.",
             orientation="vertical",
             displayMode="basic",
@@ -503,9 +512,9 @@ def build() -> dict[str, Any]:
             "Device time per call: candidate vs baseline",
             [
                 _target(
-                    f"max by (impl) (rate(shadowd_device_time_seconds_total{{{RL}}}{RI})) "
+                    f"sum by (impl) (max by (run, layer, impl) (rate(shadowd_device_time_seconds_total{{{RL}}}{RI}))) "
                     f"/ ignoring (impl) group_left "
-                    f"max (rate(shadowd_timed_calls_total{{{RL}}}{RI}))",
+                    f"sum (max by (run, layer) (rate(shadowd_timed_calls_total{{{RL}}}{RI})))",
                     "{{impl}}",
                 )
             ],
@@ -521,8 +530,8 @@ def build() -> dict[str, Any]:
             "Baseline / candidate time",
             [
                 _target(
-                    f'sum (max by (layer) (shadowd_device_time_seconds_total{{{RL}, impl="baseline"}})) / '
-                    f'sum (max by (layer) (shadowd_device_time_seconds_total{{{RL}, impl="candidate"}}))',
+                    f'sum (max by (run, layer) (shadowd_device_time_seconds_total{{{RL}, impl="baseline"}})) / '
+                    f'sum (max by (run, layer) (shadowd_device_time_seconds_total{{{RL}, impl="candidate"}}))',
                     "speedup",
                     instant=True,
                 )

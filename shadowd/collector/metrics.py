@@ -76,10 +76,12 @@ class CollectorMetrics:
         run = str(run_id)
         self.samples.labels(run).inc(n)
         self.batches.labels(run).inc()
-        for layer, count in _count_by(layers, exceeded).items():
-            self.exceeded.labels(run, str(layer)).inc(count)
-        for layer, count in _count_by(layers, cand_nonfinite).items():
-            self.nonfinite.labels(run, str(layer)).inc(count)
+        exceeded_by, nonfinite_by = _count_by(layers, exceeded), _count_by(layers, cand_nonfinite)
+        # every layer the batch reaches gets both series, at 0 until its first event: increase() and rate() see
+        # nothing of a series born with its first event (the dashboard's panels, the tolerance alert)
+        for layer in set(layers.tolist()):
+            self.exceeded.labels(run, str(layer)).inc(exceeded_by.get(layer, 0))
+            self.nonfinite.labels(run, str(layer)).inc(nonfinite_by.get(layer, 0))
 
     def set_verdict(self, run_id: int, candidate: str, verdict: str, changed: bool) -> None:
         run = str(run_id)

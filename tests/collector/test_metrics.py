@@ -40,3 +40,23 @@ def test_last_ingest_time_survives_a_collector_restart(fresh_sqlite, make_client
     restarted = make_client(fresh_sqlite)  # a new process: no ingest of its own
     assert restarted.app.state.metrics.registry.get_sample_value("shadowd_last_ingest_timestamp_seconds",
                                                                  labels) == first
+
+
+def test_event_counters_exist_at_zero_before_the_first_event(fresh_sqlite, make_client):
+    """increase() and rate() read nothing from a counter series born with its first event (a series needs two
+    samples to increase between): the dashboard's non-finite and exceedance panels and the tolerance alert would
+    miss a layer's first non-finite call or exceedance. Every layer a batch reaches has both series, at 0."""
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=4))
+    assert post_msgpack(c, run_id, make_batch(16, num_layers=4)).status_code == 200
+    reg = c.app.state.metrics.registry
+    for layer in range(4):
+        labels = {"run": str(run_id), "layer": str(layer)}
+        assert reg.get_sample_value("shadowd_nonfinite_mismatch_events_total", labels) == 0.0, layer
+        assert reg.get_sample_value("shadowd_exceeded_calls_total", labels) == 0.0, layer
+    bad = make_batch(16, num_layers=4, seq=1, step0=4, cand_nonfinite=[0, 0, 2] + [0] * 13)
+    assert post_msgpack(c, run_id, bad).status_code == 200
+    labels = {"run": str(run_id), "layer": "2"}
+    assert reg.get_sample_value("shadowd_nonfinite_mismatch_events_total", labels) == 1.0
+    assert reg.get_sample_value("shadowd_exceeded_calls_total", labels) == 1.0
+    assert reg.get_sample_value("shadowd_nonfinite_mismatch_events_total", {**labels, "layer": "3"}) == 0.0

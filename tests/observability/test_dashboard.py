@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import subprocess
 import sys
@@ -16,9 +17,10 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from tests.observability.conftest import DASHBOARDS, REPO, build_app
+from tests.observability.conftest import DASHBOARDS, REPO, build_app, require_tool
 from tests.observability.promql import (
     dashboard_targets,
+    grafana_to_promql,
     metric_names,
     panels,
     record_names,
@@ -168,3 +170,71 @@ def test_sql_panels_run_on_postgresql(fresh_pg: str) -> None:
     reasons = results["Verdict reasons (latest evaluation)"]
     assert len(reasons) == 2 and "old" not in {r["reason"] for r in reasons}
     assert json.dumps(failing, default=str)
+
+
+def _promtool_eval(tmp_path: Any, series: dict[str, str], checks: list[tuple[str, list[tuple[str, float]]]]) -> None:
+    """Evaluate PromQL over ``series`` (promtool's notation, one sample a minute) at 10m with ``promtool test
+    rules``: each check is (expr, [(labels, value)]), the values compared to 7 significant digits; Grafana's
+    variables as with everything selected, the rate interval 5m."""
+    promtool = require_tool("promtool")
+    (tmp_path / "none.yml").write_text("groups: []\n")
+    cases = []
+    for expr, exp in checks:
+        # promtool compares exactly: compare round(value * scale) instead, scale putting the values near 1e6
+        scale = 10.0 ** (6 - math.floor(math.log10(max(abs(v) for _, v in exp))))
+        cases.append({
+            "expr": f"round({scale!r} * ({grafana_to_promql(expr.replace('$__rate_interval', '5m'))}))",
+            "eval_time": "10m",
+            "exp_samples": [{"labels": labels, "value": float(round(v * scale))} for labels, v in exp],
+        })
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in series.items()],
+            "promql_expr_test": cases,
+        }
+    ]
+    (tmp_path / "test.yml").write_text(yaml.safe_dump({"rule_files": ["none.yml"], "tests": tests}))
+    p = subprocess.run([promtool, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _expr(title: str) -> str:
+    return next(t["expr"] for panel, t in dashboard_targets() if panel == title)
+
+
+def test_per_layer_and_per_run_panels_add_up(tmp_path: Any) -> None:
+    """Two collectors export the same rollup series (max over them), and layers and runs add up: the mean
+    device time per call is all selected layers' time over all their calls (not the slowest layer's time over
+    the busiest layer's calls), the whole-run speedup, the samples per layer and the rel-L2 distribution sum the
+    selected runs."""
+    series: dict[str, str] = {}
+    for inst in ("a", "b"):
+        for run, layer, calls, cand, base, samples in (
+            ("1", "0", "0+6000x10", "0+0.24x10", "0+0.33x10", "100x10"),  # 40 µs and 55 µs per call
+            ("1", "1", "0+600x10", "0+0.6x10", "0+0.66x10", "100x10"),  # 1 ms and 1.1 ms per call, 1 call in 10
+            ("2", "0", "1000x10", "10x10", "1x10", "50x10"),  # another run, stopped: no rate, its totals count
+        ):
+            lab = f'instance="{inst}",run="{run}",layer="{layer}"'
+            series[f"shadowd_timed_calls_total{{{lab}}}"] = calls
+            series[f'shadowd_device_time_seconds_total{{{lab},impl="candidate"}}'] = cand
+            series[f'shadowd_device_time_seconds_total{{{lab},impl="baseline"}}'] = base
+            series[f"shadowd_layer_samples_total{{{lab}}}"] = samples
+        for run, per_min in (("1", 60), ("2", 120)):  # two runs serving at once: 1 and 2 calls/s below 2^-7
+            for le in ("0.0078125", "+Inf"):
+                series[f'shadowd_call_rel_l2_bucket{{instance="{inst}",run="{run}",layer="0",le="{le}"}}'] = (
+                    f"0+{per_min}x10"
+                )
+    _promtool_eval(
+        tmp_path,
+        series,
+        [
+            (
+                _expr("Device time per call: candidate vs baseline"),
+                [('{impl="candidate"}', 0.84 / 6600), ('{impl="baseline"}', 0.99 / 6600)],
+            ),
+            (_expr("Baseline / candidate time"), [("{}", (3.3 + 6.6 + 1) / (2.4 + 6 + 10))]),
+            (_expr("Samples per layer"), [('{layer="0"}', 150), ('{layer="1"}', 100)]),
+            (_expr("Distribution of per-call rel-L2"), [('{le="0.0078125"}', 3), ('{le="+Inf"}', 3)]),
+        ],
+    )

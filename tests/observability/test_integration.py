@@ -93,3 +93,26 @@ def test_nonfinite_alert_reaches_alertmanager(
             return
         time.sleep(0.5)
     pytest.fail(f"ShadowdNonFiniteMismatch never reached Alertmanager (saw {sorted(names)})")
+
+
+def test_a_layers_first_nonfinite_call_shows_in_the_panel(prometheus: str, collector: Collector) -> None:
+    """The dashboard's non-finite panel (increase over the rate interval, as Grafana runs it) shows a layer's
+    first non-finite call: the layer's counter was scraped at 0 before it, so the event is an increase."""
+    from tests.factories import make_batch
+    from tests.observability.seed import NUM_LAYERS
+
+    layer = 3  # the seeded run's non-finite call is on layer 1; live traffic has none
+    panel = "Non-finite mismatch events"
+    expr = next(grafana_to_promql(t["expr"]) for title, t in dashboard_targets() if title == panel)
+    n = NUM_LAYERS * 4
+    b = make_batch(n, num_layers=NUM_LAYERS, producer="p-first-nonfinite", ts0=time.time() - 1, seed=7,
+                   cand_nonfinite=[2 if i == layer else 0 for i in range(n)])
+    assert collector.client.post(f"/v1/runs/{collector.run_id}/samples", json=b).status_code == 200
+    deadline = time.monotonic() + 20
+    seen: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        seen = [s for s in _query(prometheus, expr) if s["metric"].get("layer") == str(layer)]
+        if any(float(s["value"][1]) > 0 for s in seen):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"layer {layer}'s first non-finite call never showed in the panel: {seen}")
