@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shadowd import __version__
+from shadowd.collector import queries
 from shadowd.collector.db import check_schema, make_engine, upgrade
 from shadowd.collector.deps import AppState
 from shadowd.collector.errors import answer, install_error_handlers
@@ -87,6 +88,15 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not settings.token:
             log.warning(NO_TOKEN_WARNING)
+        # the active runs' event counters at 0 before their first batch to this process (see declare_run)
+        try:
+            active = await run_in_threadpool(queries.runs_for_metrics, engine,
+                                             time.time() - settings.metrics_active_hours * 3600.0)
+        except Exception as e:  # the database away at this moment: the counters are made at their first event
+            log.warning("could not list the active runs for their metrics (%r)", e)
+            active = []
+        for run in active:
+            metrics.declare_run(run["id"], run["num_layers"])
         if settings.writer_process():
             from shadowd.collector.writer import IngestWriter
 

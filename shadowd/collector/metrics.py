@@ -31,7 +31,7 @@ from shadowd.collector import tables as t
 from shadowd.collector.queries import runs_for_metrics, speculative_of
 from shadowd.judge.bins import NONFINITE_BIN, OCTAVE_SUFFIX, ZERO_BIN
 
-__all__ = ["HIST_EXPORTS", "CollectorMetrics", "RollupExporter", "cell_bucket_label"]
+__all__ = ["DECLARE_LAYERS_MAX", "HIST_EXPORTS", "CollectorMetrics", "RollupExporter", "cell_bucket_label"]
 
 log = logging.getLogger("shadowd.collector")
 
@@ -41,6 +41,9 @@ HIST_EXPORTS: dict[str, tuple[str, str, range]] = {
     "rel_l2": ("shadowd_call_rel_l2", "Per-call ||candidate - baseline|| / ||baseline||", range(-20, 3)),
     "cos_diff": ("shadowd_call_cos_diff", "Per-call sum (c-b)^2 / sum (c^2+b^2)", range(-40, 1, 2)),
 }
+#: layers whose counters :meth:`CollectorMetrics.declare_run` makes at 0 (models have ~100; a run declaring
+#: 100 000 layers must not create as many series before sending anything)
+DECLARE_LAYERS_MAX = 1024
 _SUM_COLUMN = {"max_abs": "sum_max_abs", "rel_l2": "sum_rel_l2", "cos_diff": "sum_cos_diff"}
 
 
@@ -71,6 +74,17 @@ class CollectorMetrics:
                                        ["run"], registry=registry)
         self.evaluations = Counter("shadowd_readiness_evaluations", "Stored readiness evaluations", ["run"],
                                    registry=registry)
+
+    def declare_run(self, run_id: int, num_layers: int) -> None:
+        """Make a run's per-run and per-layer event counters at 0 before its first batch (at its registration, and
+        for the active runs when the collector starts): ``increase()`` and ``rate()`` see nothing of a series whose
+        first scraped value is already its first event. At most ``DECLARE_LAYERS_MAX`` layers."""
+        run = str(run_id)
+        self.samples.labels(run)
+        self.batches.labels(run)
+        for layer in range(min(int(num_layers), DECLARE_LAYERS_MAX)):
+            self.exceeded.labels(run, str(layer))
+            self.nonfinite.labels(run, str(layer))
 
     def observe_ingest(self, run_id: int, n: int, layers: Any, exceeded: Any, cand_nonfinite: Any) -> None:
         run = str(run_id)

@@ -60,3 +60,34 @@ def test_event_counters_exist_at_zero_before_the_first_event(fresh_sqlite, make_
     assert reg.get_sample_value("shadowd_nonfinite_mismatch_events_total", labels) == 1.0
     assert reg.get_sample_value("shadowd_exceeded_calls_total", labels) == 1.0
     assert reg.get_sample_value("shadowd_nonfinite_mismatch_events_total", {**labels, "layer": "3"}) == 0.0
+
+
+def test_a_runs_event_counters_exist_at_zero_from_its_registration_and_after_a_restart(fresh_sqlite, make_client):
+    """Made at 0 before the run's first batch, so even a first batch holding the layer's first event shows in
+    increase() — at registration, and again in a restarted collector for the runs still active."""
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=3))
+    reg = c.app.state.metrics.registry
+    for layer in range(3):
+        labels = {"run": str(run_id), "layer": str(layer)}
+        assert reg.get_sample_value("shadowd_exceeded_calls_total", labels) == 0.0, layer
+        assert reg.get_sample_value("shadowd_nonfinite_mismatch_events_total", labels) == 0.0, layer
+    assert reg.get_sample_value("shadowd_exceeded_calls_total", {"run": str(run_id), "layer": "3"}) is None
+    assert reg.get_sample_value("shadowd_samples_total", {"run": str(run_id)}) == 0.0
+    assert post_msgpack(c, run_id, make_batch(8, num_layers=3)).status_code == 200
+    idle = register(c, run_body("never-sent", num_layers=2))
+    restarted = make_client(fresh_sqlite)  # its lifespan ran: the active run is declared, the idle one not
+    reg2 = restarted.app.state.metrics.registry
+    assert reg2.get_sample_value("shadowd_exceeded_calls_total", {"run": str(run_id), "layer": "2"}) == 0.0
+    assert reg2.get_sample_value("shadowd_exceeded_calls_total", {"run": str(idle), "layer": "0"}) is None
+
+
+def test_a_huge_declared_layer_count_makes_a_bounded_number_of_series(fresh_sqlite, make_client):
+    from shadowd.collector.metrics import DECLARE_LAYERS_MAX
+
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body(num_layers=100_000))
+    reg = c.app.state.metrics.registry
+    last = {"run": str(run_id), "layer": str(DECLARE_LAYERS_MAX - 1)}
+    assert reg.get_sample_value("shadowd_exceeded_calls_total", last) == 0.0
+    assert reg.get_sample_value("shadowd_exceeded_calls_total", {**last, "layer": str(DECLARE_LAYERS_MAX)}) is None

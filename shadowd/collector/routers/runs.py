@@ -22,6 +22,7 @@ async def register_run(body: RunCreate, state: State, response: Response) -> Run
     row, created = await run_in_threadpool(state.store.register_run, body.fields())
     if not created:
         response.status_code = 200
+    state.metrics.declare_run(row["id"], row["num_layers"])
     return RunOut.of(row)
 
 
