@@ -103,11 +103,16 @@ class _Groups:
 
 def _group(keys: list[np.ndarray]) -> _Groups:
     """Group samples by key columns (packed into one int64, sorted once)."""
+    spans = [int(k.max()) - int(k.min()) + 1 for k in keys]
+    if _product(spans) >= 1 << 63:
+        # keys far apart (values validation accepts: batch sizes 1 and 2^30, head counts 1 and 2^31 - 1, ...)
+        # would overflow the packed int64 and mix groups up: sort the key rows themselves (slower, same groups
+        # in the same order)
+        return _group_rows(keys)
     packed = np.zeros(len(keys[0]), dtype=np.int64)
     radix = []
-    for k in keys:
+    for k, span in zip(keys, spans, strict=True):
         lo = int(k.min())
-        span = int(k.max()) - lo + 1
         radix.append((lo, span))
         packed = packed * span + (k - lo)
     order = np.argsort(packed, kind="stable")
@@ -125,6 +130,22 @@ def _group(keys: list[np.ndarray]) -> _Groups:
         cols.append(rest % span + lo)
         rest = rest // span
     return _Groups(np.stack(cols[::-1], axis=1), inv, order, starts)
+
+
+def _product(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _group_rows(keys: list[np.ndarray]) -> _Groups:
+    """:func:`_group` by sorting the key rows (lexicographically, as the packed keys sort)."""
+    uniq, inv = np.unique(np.stack(keys, axis=1), axis=0, return_inverse=True)
+    inv = inv.reshape(-1).astype(np.int64)
+    order = np.argsort(inv, kind="stable")
+    starts = np.flatnonzero(np.r_[True, inv[order][1:] != inv[order][:-1]])
+    return _Groups(uniq, inv, order, starts)
 
 
 def _aggregate(grp: _Groups, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
