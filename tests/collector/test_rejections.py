@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import orjson
@@ -191,6 +192,19 @@ def test_bad_run_values_are_refused_and_store_nothing(fresh_sqlite, make_client)
     assert bad_json.status_code == 400 and bad_json.json()["detail"]["field"] == "body"
     assert "not valid JSON at byte" in bad_json.json()["detail"]["error"]
     assert count_rows(fresh_sqlite, t.runs) == 0
+
+
+def test_labels_that_are_not_unicode_are_refused_and_store_nothing(db_url, make_client):
+    """A lone surrogate (``\\udfff`` in the JSON) in a label key or value is no text either database can store as
+    such: 422 naming ``labels``. (It was stored, answered 500, and every later ``GET /v1/runs`` was a 500 too.)"""
+    c = make_client(db_url)
+    for labels in ({"note": "x\udfffy"}, {"k\ud800": "v"}):
+        r = c.post("/v1/runs", content=json.dumps(run_body(labels=labels)),
+                   headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["detail"]["field"]) == (422, "labels"), r.text
+    assert count_rows(db_url, t.runs) == 0
+    assert c.get("/v1/runs").status_code == 200
+    assert c.post("/v1/runs", json=run_body(labels={"note": "ünïcode ✓ 😀"})).status_code == 201
 
 
 def test_ids_beyond_64_bits_and_content_types(fresh_sqlite, make_client):
