@@ -10,6 +10,7 @@ octave per layer (and quarter-octave per layer for the oracle ratio).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,16 @@ from shadowd.judge.bins import (
 )
 from shadowd.judge.policy import Policy
 
-__all__ = ["COUNTERS", "HIST_STATS", "MAXES", "SUMS", "Deltas", "Rows", "compared", "compute_deltas"]
+__all__ = ["CAPPED", "COUNTERS", "HIST_STATS", "I64_MAX", "MAXES", "SUMS", "Deltas", "Rows", "compared",
+           "compute_deltas"]
 
 COUNTERS = ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "numel",
             "n_oracle", "n_timed")
 SUMS = ("sum_max_abs", "sum_rel_l2", "sum_cos_diff", "sum_scaled", "sum_cand_us", "sum_base_us")
+#: counters summed from values that may be large (element counts, ≤ 2^48 a call): their sums stop at I64_MAX (in a
+#: batch's deltas and in the stored rollups: see Upserter's ``capped``) instead of wrapping around or overflowing
+CAPPED = ("numel",)
+I64_MAX = 2**63 - 1
 MAXES = ("max_max_abs", "max_rel_l2", "max_cos_diff", "max_max_rel", "max_scaled", "max_oracle_cand",
          "max_oracle_base", "max_oracle_ratio")
 
@@ -132,6 +138,18 @@ def _group(keys: list[np.ndarray]) -> _Groups:
     return _Groups(np.stack(cols[::-1], axis=1), inv, order, starts)
 
 
+def _capped_sums(grp: _Groups, values: np.ndarray) -> np.ndarray:
+    """Per group the exact integer sum of ``values`` (whole numbers, each ≤ 2^53), at most I64_MAX: a float64 sum
+    is inexact above 2^53 and an int64 one wraps around above I64_MAX (a batch may hold 2^17 calls of 2^48)."""
+    ints = values.astype(np.int64)
+    if float(values.sum()) < 2.0**62:  # no group's sum can come near the top: exact in int64
+        return np.add.reduceat(ints[grp.order], grp.starts)
+    ordered = ints[grp.order].tolist()
+    bounds = [*grp.starts.tolist(), len(ordered)]
+    return np.array([min(sum(ordered[a:b]), I64_MAX) for a, b in itertools.pairwise(bounds)],
+                    dtype=np.int64)
+
+
 def _product(values: list[int]) -> int:
     out = 1
     for v in values:
@@ -152,7 +170,10 @@ def _aggregate(grp: _Groups, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     g = len(grp)
     for name in COUNTERS:
-        out[name] = np.bincount(grp.inv, weights=m[name], minlength=g).round().astype(np.int64)
+        if name in CAPPED:
+            out[name] = _capped_sums(grp, m[name])
+        else:
+            out[name] = np.bincount(grp.inv, weights=m[name], minlength=g).round().astype(np.int64)
     for name in SUMS:
         out[name] = np.bincount(grp.inv, weights=m[name], minlength=g)
     for name in MAXES:
