@@ -83,8 +83,8 @@ class Column:
     columns may hold ``None`` (a float column stores it as NaN); ``nan_ok`` float columns
     may carry NaN/Inf (an error statistic over a non-finite output is NaN, and the judge
     treats that as a failure, so it must reach the collector intact); ``minimum`` is the
-    smallest allowed value of a number, ``maximum`` the largest (``I32``, ``COUNT_MAX``, ``COUNTER_MAX``,
-    ``TS_MAX``: bounds that keep the collector's rollups exact).
+    smallest allowed value of a number, ``maximum`` the largest (``I32``, ``BUCKETED_MAX``, ``COUNT_MAX``,
+    ``COUNTER_MAX``, ``TS_MAX``: bounds that keep the collector's rollups exact and in range).
     """
 
     name: str
@@ -98,6 +98,9 @@ class Column:
 
 
 I32 = 2**31 - 1  # the largest value of a 32-bit integer column
+#: batch size and tree size are rolled up by their power-of-two bucket (a 32-bit column too): 2^30 is the largest
+#: bucket that fits, so the largest value
+BUCKETED_MAX = 2**30
 #: bounds that keep every sum and time bucket of the collector's rollups exact and in range: counts of
 #: elements (2^48, far above any output), step and call counters (2^53: exact as float64) and unix times
 #: in seconds before 2100 (a time in milliseconds, ~1.7e12, is refused rather than stored in year 55000)
@@ -111,8 +114,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("step", "int", "verify step id, equal on every rank and layer of one step", maximum=COUNTER_MAX),
     Column("call", "int", "per-producer call counter", maximum=COUNTER_MAX),
     Column("ts", "float", "unix time of the call, seconds (before 2100)", maximum=TS_MAX),
-    Column("batch_size", "int", "requests in the verify batch (padding excluded)", minimum=1, maximum=I32),
-    Column("draft_tokens", "int", "largest tree size T in the batch", minimum=1, maximum=I32),
+    Column("batch_size", "int", "requests in the verify batch (padding excluded)", minimum=1,
+           maximum=BUCKETED_MAX),
+    Column("draft_tokens", "int", "largest tree size T in the batch", minimum=1, maximum=BUCKETED_MAX),
     Column("prefix_len", "int", "longest prefix length L in the batch", maximum=I32),
     Column("heads", "int", "query heads on this rank", minimum=1, maximum=I32),
     Column("numel", "int", "output elements compared", maximum=COUNT_MAX),

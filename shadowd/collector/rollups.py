@@ -10,6 +10,7 @@ octave per layer (and quarter-octave per layer for the oracle ratio).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,16 @@ from shadowd.judge.bins import (
 )
 from shadowd.judge.policy import Policy
 
-__all__ = ["COUNTERS", "HIST_STATS", "MAXES", "SUMS", "Deltas", "Rows", "compared", "compute_deltas"]
+__all__ = ["CAPPED", "COUNTERS", "HIST_STATS", "I64_MAX", "MAXES", "SUMS", "Deltas", "Rows", "compared",
+           "compute_deltas"]
 
 COUNTERS = ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "numel",
             "n_oracle", "n_timed")
 SUMS = ("sum_max_abs", "sum_rel_l2", "sum_cos_diff", "sum_scaled", "sum_cand_us", "sum_base_us")
+#: counters summed from values that may be large (element counts, ≤ 2^48 a call): their sums stop at I64_MAX (in a
+#: batch's deltas and in the stored rollups: see Upserter's ``capped``) instead of wrapping around or overflowing
+CAPPED = ("numel",)
+I64_MAX = 2**63 - 1
 MAXES = ("max_max_abs", "max_rel_l2", "max_cos_diff", "max_max_rel", "max_scaled", "max_oracle_cand",
          "max_oracle_base", "max_oracle_ratio")
 
@@ -103,11 +109,16 @@ class _Groups:
 
 def _group(keys: list[np.ndarray]) -> _Groups:
     """Group samples by key columns (packed into one int64, sorted once)."""
+    spans = [int(k.max()) - int(k.min()) + 1 for k in keys]
+    if _product(spans) >= 1 << 63:
+        # keys far apart (values validation accepts: batch sizes 1 and 2^30, head counts 1 and 2^31 - 1, ...)
+        # would overflow the packed int64 and mix groups up: sort the key rows themselves (slower, same groups
+        # in the same order)
+        return _group_rows(keys)
     packed = np.zeros(len(keys[0]), dtype=np.int64)
     radix = []
-    for k in keys:
+    for k, span in zip(keys, spans, strict=True):
         lo = int(k.min())
-        span = int(k.max()) - lo + 1
         radix.append((lo, span))
         packed = packed * span + (k - lo)
     order = np.argsort(packed, kind="stable")
@@ -127,11 +138,42 @@ def _group(keys: list[np.ndarray]) -> _Groups:
     return _Groups(np.stack(cols[::-1], axis=1), inv, order, starts)
 
 
+def _capped_sums(grp: _Groups, values: np.ndarray) -> np.ndarray:
+    """Per group the exact integer sum of ``values`` (whole numbers, each ≤ 2^53), at most I64_MAX: a float64 sum
+    is inexact above 2^53 and an int64 one wraps around above I64_MAX (a batch may hold 2^17 calls of 2^48)."""
+    ints = values.astype(np.int64)
+    if float(values.sum()) < 2.0**62:  # no group's sum can come near the top: exact in int64
+        return np.add.reduceat(ints[grp.order], grp.starts)
+    ordered = ints[grp.order].tolist()
+    bounds = [*grp.starts.tolist(), len(ordered)]
+    return np.array([min(sum(ordered[a:b]), I64_MAX) for a, b in itertools.pairwise(bounds)],
+                    dtype=np.int64)
+
+
+def _product(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _group_rows(keys: list[np.ndarray]) -> _Groups:
+    """:func:`_group` by sorting the key rows (lexicographically, as the packed keys sort)."""
+    uniq, inv = np.unique(np.stack(keys, axis=1), axis=0, return_inverse=True)
+    inv = inv.reshape(-1).astype(np.int64)
+    order = np.argsort(inv, kind="stable")
+    starts = np.flatnonzero(np.r_[True, inv[order][1:] != inv[order][:-1]])
+    return _Groups(uniq, inv, order, starts)
+
+
 def _aggregate(grp: _Groups, m: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     g = len(grp)
     for name in COUNTERS:
-        out[name] = np.bincount(grp.inv, weights=m[name], minlength=g).round().astype(np.int64)
+        if name in CAPPED:
+            out[name] = _capped_sums(grp, m[name])
+        else:
+            out[name] = np.bincount(grp.inv, weights=m[name], minlength=g).round().astype(np.int64)
     for name in SUMS:
         out[name] = np.bincount(grp.inv, weights=m[name], minlength=g)
     for name in MAXES:

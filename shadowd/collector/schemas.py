@@ -20,6 +20,15 @@ def _no_nul(value: Any) -> Any:
         raise ValueError("must not contain NUL characters")
     return value
 
+
+def _is_unicode(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 _name = Field(min_length=1, max_length=200)
 
 
@@ -66,6 +75,10 @@ class RunCreate(_Body):
                 raise ValueError(f"label key {key[:40]!r}: 1 to {LABEL_KEY_MAX} characters, without NUL characters")
             if len(value) > LABEL_VALUE_MAX or "\x00" in value:
                 raise ValueError(f"label {key!r}: at most {LABEL_VALUE_MAX} characters, without NUL characters")
+            # a lone surrogate (JSON's "\\udfff"): pydantic refuses it in a str field but not in a dict's keys and
+            # values; stored, no answer that shows the run could be encoded again (500 on every read of the run list)
+            if not _is_unicode(key) or not _is_unicode(value):
+                raise ValueError(f"label {key[:40]!a}: not valid Unicode text (a lone surrogate)")
         return labels
 
     def fields(self) -> dict[str, Any]:

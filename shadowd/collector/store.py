@@ -26,7 +26,7 @@ from sqlalchemy.exc import DBAPIError
 
 from shadowd.collector import tables as t
 from shadowd.collector.batch import DIGEST_PREFIX, BadBatch, ValidBatch
-from shadowd.collector.rollups import COUNTERS, MAXES, SUMS, Deltas, compute_deltas
+from shadowd.collector.rollups import CAPPED, COUNTERS, MAXES, SUMS, Deltas, compute_deltas
 from shadowd.collector.sample_rows import pg_copy, sample_values, sqlite_plan, sqlite_rows
 from shadowd.collector.upsert import Upserter
 from shadowd.judge.policy import Policy
@@ -319,8 +319,8 @@ class Store:
                 self._insert_samples(cur, job, int(claimed[0]))
             up = self._upserter.upsert
             up(cur, t.cells, d.cells, ("run_id", "layer", *t.CELL_KEY), add=COUNTERS + SUMS,
-               greatest=(*MAXES, "last_ts"), least=("first_ts",))
-            up(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES)
+               greatest=(*MAXES, "last_ts"), least=("first_ts",), capped=CAPPED)
+            up(cur, t.timeslots, d.slots, ("run_id", "layer", "t"), add=COUNTERS + SUMS, greatest=MAXES, capped=CAPPED)
             up(cur, t.hists, d.hists, ("run_id", "layer", "stat", "bin"), add=("count",))
             up(cur, t.steps, d.steps, ("run_id", "step"), add=("n_calls",), greatest=("exceeded",),
                least=("first_ts",))

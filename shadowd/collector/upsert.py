@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql
 
-from shadowd.collector.rollups import Rows
+from shadowd.collector.rollups import I64_MAX, Rows
 
 __all__ = ["Upserter", "pg_array"]
 
@@ -33,9 +33,11 @@ class Upserter:
         self._cache: dict[tuple[Any, ...], str] = {}
 
     def upsert(self, cur: Any, table: Table, rows: Rows, keys: tuple[str, ...], add: tuple[str, ...] = (),
-               greatest: tuple[str, ...] = (), least: tuple[str, ...] = ()) -> None:
+               greatest: tuple[str, ...] = (), least: tuple[str, ...] = (), capped: tuple[str, ...] = ()) -> None:
         """Insert ``rows`` into ``table``; on a conflict of ``keys`` add the ``add`` columns and keep the larger
-        ``greatest`` / smaller ``least`` values."""
+        ``greatest`` / smaller ``least`` values. The ``capped`` ones of the ``add`` columns (non-negative) stop at
+        the largest 64-bit integer instead of overflowing it (PostgreSQL refused the statement, SQLite turned the
+        value into a float)."""
         if not len(rows):
             return
         # a counter or maximum that is 0 in every row changes nothing (maxima are of values ≥ 0) and a
@@ -47,22 +49,24 @@ class Upserter:
             rows = Rows(tuple(rows.cols[i] for i in keep), [rows.values[i] for i in keep])
             add = tuple(c for c in add if c not in zero)
             greatest = tuple(c for c in greatest if c not in zero)
-        sql = self.sql(table, rows.cols, keys, add, greatest, least)
+        sql = self.sql(table, rows.cols, keys, add, greatest, least, tuple(c for c in capped if c in add))
         if self.dialect == "postgresql":
             cur.execute(sql, tuple(pg_array(v) for v in rows.values))
         else:
             cur.executemany(sql, rows.rows)
 
     def sql(self, table: Table, cols: tuple[str, ...], keys: tuple[str, ...], add: tuple[str, ...],
-            greatest: tuple[str, ...], least: tuple[str, ...]) -> str:
+            greatest: tuple[str, ...], least: tuple[str, ...], capped: tuple[str, ...] = ()) -> str:
         """The upsert statement (driver paramstyle: ``%s`` arrays on PostgreSQL, ``?`` values on SQLite)."""
-        cache_key = (table.name, cols, keys, add, greatest, least)
+        cache_key = (table.name, cols, keys, add, greatest, least, capped)
         sql = self._cache.get(cache_key)
         if sql is None:
             pg = self.dialect == "postgresql"
             hi, lo = ("GREATEST", "LEAST") if pg else ("MAX", "MIN")
             q = ", ".join(f'"{c}"' for c in cols)
-            sets = [f'"{c}" = {table.name}."{c}" + excluded."{c}"' for c in add]
+            sets = [f'"{c}" = {table.name}."{c}" + excluded."{c}"' if c not in capped else
+                    f'"{c}" = CASE WHEN {table.name}."{c}" > {I64_MAX} - excluded."{c}" THEN {I64_MAX} '
+                    f'ELSE {table.name}."{c}" + excluded."{c}" END' for c in add]
             sets += [f'"{c}" = {hi}({table.name}."{c}", excluded."{c}")' for c in greatest]
             sets += [f'"{c}" = {lo}({table.name}."{c}", excluded."{c}")' for c in least]
             if pg:

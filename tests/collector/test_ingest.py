@@ -42,6 +42,74 @@ def test_ingest_stores_rows_and_rollups(db_url, make_client):
     assert sum(row["samples"] for row in layers["layers"]) == 400
 
 
+def test_shape_buckets_far_apart_in_one_batch_are_rolled_up_exactly(db_url, make_client):
+    """Shapes at both ends of what validation accepts, in one batch: each call lands in its own shape bucket (the
+    key of a cell was packed into one int64, which overflowed: cells of shapes no call had, counts mixed up)."""
+    c = make_client(db_url, ingest_writer="inline")
+    run_id = register(c, run_body(num_layers=4))
+    shapes = [(1, 1, 0, 1), (2**30, 2**30, 2**31 - 1, 2**31 - 1), (3, 5, 1000, 7), (2**30, 1, 0, 2**31 - 1)]
+    n = 8
+    batch = make_batch(n, num_layers=4)
+    s = batch["samples"]
+    for i in range(n):
+        s["batch_size"][i], s["draft_tokens"][i], s["prefix_len"][i], s["heads"][i] = shapes[i % len(shapes)]
+
+    def pow2(x: int) -> int:
+        return 1 << (max(x, 1) - 1).bit_length()
+
+    expected: dict[tuple[int, ...], int] = {}
+    for i in range(n):
+        key = (s["layer"][i], pow2(s["batch_size"][i]), pow2(s["draft_tokens"][i]),
+               int(s["prefix_len"][i]).bit_length(), s["heads"][i])
+        expected[key] = expected.get(key, 0) + 1
+    assert post_msgpack(c, run_id, batch).status_code == 200
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            cells = conn.execute(select(t.cells.c.layer, t.cells.c.bs_bucket, t.cells.c.t_bucket,
+                                        t.cells.c.prefix_bucket, t.cells.c.heads, t.cells.c.n)
+                                 .where(t.cells.c.run_id == run_id)).all()
+    finally:
+        engine.dispose()
+    assert {tuple(row[:5]): row[5] for row in cells} == expected
+
+
+def test_element_counts_beyond_64_bits_saturate_instead_of_wrapping_or_wedging(db_url, make_client):
+    """``numel`` (≤ 2^48 a call) is summed per cell and time slot. A batch whose sum passes 2^63 was stored as -2^63;
+    a cell whose running sum passes it made PostgreSQL refuse every later batch of that cell (422, for good) and
+    SQLite turn the column into a float. The sums stop at 2^63 - 1 instead, exact below it."""
+    from shadowd.collector.batch import parse_batch
+    from shadowd.collector.rollups import compute_deltas
+    from shadowd.judge.policy import Policy
+    from shadowd.wire import COUNT_MAX
+
+    top = 2**63 - 1
+    one_cell = {"num_layers": 1, "shapes": [(1, 16, 32768, 8)], "packed": True}
+    big = parse_batch(make_batch(2**15 + 1, numel=[COUNT_MAX] * (2**15 + 1), **one_cell))
+    d = compute_deltas(1, big, Policy(), 60)
+    assert d.cells.dicts()[0]["numel"] == top  # (its time slots, each below the top, exact)
+    assert sum(r["numel"] for r in d.slots.dicts()) == (2**15 + 1) * COUNT_MAX
+    exact = parse_batch(make_batch(40, numel=[COUNT_MAX - 1] * 40, **one_cell))  # 40 · (2^48 - 1) > 2^53
+    assert compute_deltas(1, exact, Policy(), 60).cells.dicts()[0]["numel"] == 40 * (COUNT_MAX - 1)
+
+    c = make_client(db_url, ingest_writer="inline")
+    run_id = register(c, run_body(num_layers=1))
+    assert post_msgpack(c, run_id, make_batch(4, **one_cell)).status_code == 200
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(t.cells.update().values(numel=top - 10))
+            conn.execute(t.timeslots.update().values(numel=top - 10))
+        r = post_msgpack(c, run_id, make_batch(4, seq=1, **one_cell))
+        assert r.status_code == 200, r.text
+        with engine.connect() as conn:
+            assert conn.execute(select(t.cells.c.numel)).scalars().all() == [top]
+            assert set(conn.execute(select(t.timeslots.c.numel)).scalars().all()) == {top}
+    finally:
+        engine.dispose()
+    assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 8
+
+
 def test_duplicate_batch_is_stored_once_and_conflict_is_409(db_url, make_client):
     c = make_client(db_url)
     run_id = register(c, run_body())

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import orjson
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, func, select
 
 from shadowd.collector import tables as t
 from shadowd.collector.routers import samples as samples_router
@@ -86,6 +87,12 @@ def _cases():
          422, "samples.ts[3]"),
         ("step beyond 2^53", with_value("step", 1, 2**62), 422, "samples.step[1]"),
         ("numel beyond 2^48", with_value("numel", 2, 2**63 - 1), 422, "samples.numel[2]"),
+        # their power-of-two shape bucket is a 32-bit column: 2^30 + 1 has bucket 2^31 (SQLite stored it, PostgreSQL
+        # refused the batch naming only "samples")
+        ("batch size whose bucket is beyond 32 bits", with_value("batch_size", 1, 2**30 + 1), 422,
+         "samples.batch_size[1]"),
+        ("draft tokens whose bucket is beyond 32 bits", with_value("draft_tokens", 3, 2**31 - 1), 422,
+         "samples.draft_tokens[3]"),
         # NUL characters: PostgreSQL text cannot hold them (it answered 503 "retry later")
         ("NUL in an error string", lambda: {**make_batch(6), "samples": {
             **make_batch(6)["samples"], "error": [None, "bad\x00err", None, None, None, None]}}, 422,
@@ -187,6 +194,19 @@ def test_bad_run_values_are_refused_and_store_nothing(fresh_sqlite, make_client)
     assert count_rows(fresh_sqlite, t.runs) == 0
 
 
+def test_labels_that_are_not_unicode_are_refused_and_store_nothing(db_url, make_client):
+    """A lone surrogate (``\\udfff`` in the JSON) in a label key or value is no text either database can store as
+    such: 422 naming ``labels``. (It was stored, answered 500, and every later ``GET /v1/runs`` was a 500 too.)"""
+    c = make_client(db_url)
+    for labels in ({"note": "x\udfffy"}, {"k\ud800": "v"}):
+        r = c.post("/v1/runs", content=json.dumps(run_body(labels=labels)),
+                   headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["detail"]["field"]) == (422, "labels"), r.text
+    assert count_rows(db_url, t.runs) == 0
+    assert c.get("/v1/runs").status_code == 200
+    assert c.post("/v1/runs", json=run_body(labels={"note": "ünïcode ✓ 😀"})).status_code == 201
+
+
 def test_ids_beyond_64_bits_and_content_types(fresh_sqlite, make_client):
     c = make_client(fresh_sqlite)
     run_id = register(c, run_body())
@@ -212,6 +232,27 @@ def test_bad_run_values_store_nothing_on_postgres(fresh_pg, make_client):
         r = c.post("/v1/runs", json=body)
         assert r.status_code == 422, r.text  # (NUL was a 503 "retry later" on PostgreSQL)
     assert count_rows(fresh_pg, t.runs) == 0
+
+
+def test_the_largest_shapes_validation_accepts_are_stored(db_url, make_client):
+    """The largest batch size, tree size, prefix and head count that validation lets through are stored, with their
+    shape buckets, on both databases (a bucket must fit its 32-bit column)."""
+    c = make_client(db_url, ingest_writer="inline")
+    run_id = register(c, run_body(num_layers=4))
+    b = make_batch(4)
+    for col, value in (("batch_size", 2**30), ("draft_tokens", 2**30), ("prefix_len", 2**31 - 1),
+                       ("heads", 2**31 - 1)):
+        b["samples"][col] = [value] * 4
+    r = post_msgpack(c, run_id, b)
+    assert r.status_code == 200 and r.json()["accepted"] == 4, r.text
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            top = conn.execute(select(func.max(t.cells.c.bs_bucket), func.max(t.cells.c.t_bucket),
+                                      func.max(t.cells.c.prefix_bucket), func.max(t.cells.c.heads))).one()
+    finally:
+        engine.dispose()
+    assert tuple(top) == (2**30, 2**30, 31, 2**31 - 1)
 
 
 def _database_rule(db_url: str, table: str, check: str) -> None:
