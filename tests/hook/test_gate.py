@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any
 
 import httpx
@@ -171,3 +172,77 @@ def test_start_streaming_watches_the_gate_against_a_real_collector(collector: Co
     finally:
         rt.gate.stop(5)
         streamer.close(2.0)
+
+
+# ---- races, answers not for this run, logging ------------------------------------------------------------------
+class _Interleave(logging.Handler):
+    """Runs ``action`` in another thread the first time a record whose message contains ``marker`` is logged, and
+    waits (briefly) for it to finish: a deterministic interleaving of two threads at that point of the code."""
+
+    def __init__(self, marker: str, action: Any) -> None:
+        super().__init__(logging.DEBUG)
+        self.marker, self.action, self.fired = marker, action, False
+        self.thread: threading.Thread | None = None
+
+    def createLock(self) -> None:
+        # no I/O lock: the other thread logs too, and must not wait for this emit (that would serialise the threads)
+        self.lock = None  # type: ignore[assignment]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.fired or self.marker not in record.getMessage():
+            return
+        self.fired = True
+        self.thread = threading.Thread(target=self.action)
+        self.thread.start()
+        self.thread.join(0.5)  # (a runtime that serialises mode changes keeps the other thread waiting: it goes on)
+
+
+def test_a_kill_switch_that_lands_while_the_gate_opens_is_not_lost() -> None:
+    """The streamer's thread applies the kill switch while the gate's thread is opening the gate: whatever the
+    interleaving, the mode ends up off (the collector's kill switch always wins)."""
+    rt, _ = gated_runtime()
+    log = logging.getLogger("shadowd.hook")
+    hook = _Interleave("mode validate -> on", lambda: rt.set_override("off"))
+    log.addHandler(hook)
+    try:
+        opener = threading.Thread(target=rt.open_gate, args=("test",))
+        opener.start()
+        opener.join(5)
+    finally:
+        log.removeHandler(hook)
+    assert hook.fired and hook.thread is not None
+    hook.thread.join(5)
+    assert (rt.override, rt.mode, rt.mode_code) == ("off", "off", 0), "the kill switch says off: nothing is served"
+
+
+def test_a_child_forked_while_another_thread_changes_the_mode_can_still_change_it() -> None:
+    """The mode lock held by a thread of the parent at the fork (a thread the child does not have): the child's kill
+    switch and sticky flags must not wait for it forever."""
+    import os
+    import signal
+
+    rt, _ = gated_runtime()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with rt._mode_lock:
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert holding.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        ok = False
+        try:
+            signal.alarm(10)
+            rt.set_override("off")
+            rt.fall_back("test")
+            ok = rt.mode == "off" and rt.fallback
+        finally:
+            os._exit(0 if ok else 1)
+    release.set()
+    t.join(5)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child changed its mode without waiting for a dead thread"
