@@ -70,18 +70,37 @@ def mismatches(gate_run: Mapping[str, Any], own: Mapping[str, Any]) -> list[str]
     return out
 
 
-def gate_decision(gate_id: int, gate_run: Mapping[str, Any], report: Mapping[str, Any],
-                  own: Mapping[str, Any]) -> tuple[bool | None, str]:
+def gate_decision(gate_id: int, gate_run: Any, report: Any, own: Mapping[str, Any],
+                  status: int = 200) -> tuple[bool | None, str]:
     """Whether the gate opens: (True, why) READY for this deployment; (None, why) not yet (may change: wait);
-    (False, why) never for this process (run ``gate_id`` was judged for another deployment)."""
+    (False, why) never for this process (run ``gate_id`` was judged for another deployment).
+
+    ``gate_run`` and ``report`` are the collector's answers to ``GET /v1/runs/{gate_id}`` and ``GET /readiness?run_id=
+    {gate_id}`` (``status``: the latter's HTTP status). They must be *about run* ``gate_id``: a READY verdict opens
+    the gate only with HTTP 200, the run id asked and the candidate fingerprint of this process (a collector or a
+    proxy that ignores ``?run_id=`` answers the latest run's verdict — perhaps this very process's run, fed by its
+    held validate traffic). An answer that is not is no evidence: the gate holds and asks again."""
+    if not isinstance(gate_run, Mapping) or not isinstance(report, Mapping):
+        return None, f"the collector's answers about run {gate_id} are not a run and a verdict (a proxy?)"
+    if gate_run.get("id") != gate_id:
+        return None, f"the collector answered run {gate_run.get('id')!r} when asked for run {gate_id}"
     diff = mismatches(gate_run, own)
     if diff:
         return False, f"run {gate_id} was judged for another deployment: " + "; ".join(diff)
     verdict = report.get("verdict")
+    if report.get("run_id") != gate_id:
+        return None, (f"the collector answered the verdict of run {report.get('run_id')!r} ({verdict}) when asked "
+                      f"for run {gate_id}'s (does it take ?run_id=?)")
     if verdict != "READY":
         reasons = report.get("reasons") or [report.get("error") or "no reason given"]
         return None, f"run {gate_id} is {verdict or 'not judged'}: {reasons[0]}"
-    return True, f"run {gate_id} is READY for candidate {_at(own, ('candidate', 'fingerprint'))}"
+    mine = _at(own, ("candidate", "fingerprint"))
+    if report.get("candidate_fingerprint") != mine:
+        return None, (f"run {gate_id}'s READY verdict was judged for candidate {report.get('candidate_fingerprint')!r}"
+                      f", not {mine!r}")
+    if status != 200:
+        return None, f"run {gate_id}'s verdict READY came with HTTP {status}, not 200"
+    return True, f"run {gate_id} is READY for candidate {mine}"
 
 
 class PromotionGate:
@@ -105,12 +124,12 @@ class PromotionGate:
         also when the collector could not be asked)."""
         try:
             run = self.client.get_run(self.gate_id)
-            _status, report = self.client.readiness(self.gate_id)
+            status, report = self.client.readiness(self.gate_id)
         except BatchRejected as e:
             return self._settle(False, f"the collector refused the gate's questions about run {self.gate_id} ({e})")
         except CollectorError as e:
             return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})")
-        opened, why = gate_decision(self.gate_id, run, report, self.own)
+        opened, why = gate_decision(self.gate_id, run, report, self.own, status)
         return self._settle(opened, why)
 
     def _settle(self, opened: bool | None, why: str) -> bool | None:

@@ -37,7 +37,8 @@ class FakeCollector:
         if request.url.path == f"/v1/runs/{GATE}":
             return httpx.Response(200, json=self.run)
         if request.url.path == "/readiness" and request.url.params.get("run_id") == str(GATE):
-            body = {"verdict": self.verdict, "reasons": [] if self.verdict == "READY" else ["exceedance 3 %"],
+            body = {"run_id": GATE, "verdict": self.verdict,
+                    "reasons": [] if self.verdict == "READY" else ["exceedance 3 %"],
                     "candidate_fingerprint": self.run["candidate"]["fingerprint"]}
             return httpx.Response(200 if self.verdict == "READY" else 503, json=body)
         return httpx.Response(404, json={"detail": f"run {request.url.path} not found"})
@@ -89,11 +90,13 @@ def test_validate_mode_ignores_the_gate() -> None:
 # ---- the decision ----------------------------------------------------------------------------------------------
 def test_the_decision_opens_only_on_ready_for_this_deployment() -> None:
     run = dict(RUN, id=GATE)
-    assert gate_decision(GATE, run, {"verdict": "READY"}, OWN)[0] is True
-    opened, why = gate_decision(GATE, run, {"verdict": "NOT_READY", "reasons": ["layer 3 drifts"]}, OWN)
+    ready = {"run_id": GATE, "verdict": "READY", "candidate_fingerprint": "c1"}
+    assert gate_decision(GATE, run, ready, OWN)[0] is True
+    opened, why = gate_decision(GATE, run, {"run_id": GATE, "verdict": "NOT_READY", "reasons": ["layer 3 drifts"]},
+                                OWN, 503)
     assert opened is None and why == "run 7 is NOT_READY: layer 3 drifts"
     other = dict(run, candidate={"name": "cand", "fingerprint": "c0"}, tp_size=2)
-    opened, why = gate_decision(GATE, other, {"verdict": "READY"}, OWN)
+    opened, why = gate_decision(GATE, other, ready, OWN)
     assert opened is False
     assert "candidate fingerprint 'c0' there, 'c1' here" in why and "TP size 2 there, 1 here" in why
 
@@ -246,3 +249,67 @@ def test_a_child_forked_while_another_thread_changes_the_mode_can_still_change_i
     t.join(5)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child changed its mode without waiting for a dead thread"
+
+
+class LyingCollector(FakeCollector):
+    """Answers for run 7 with bodies that are not quite about run 7 (``mend`` rewrites the readiness body, ``run``
+    is the run body)."""
+
+    def __init__(self, mend: Any, run: dict[str, Any] | None = None, status: int = 200) -> None:
+        super().__init__("READY", run)
+        self.mend, self.status = mend, status
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readiness":
+            self.asked.append(request.url.path)
+            body = {"run_id": GATE, "run_key": "validate-run", "verdict": "READY", "reasons": [],
+                    "candidate_fingerprint": self.run["candidate"]["fingerprint"]}
+            return httpx.Response(self.status, json=self.mend(body))
+        return super().__call__(request)
+
+
+@pytest.mark.parametrize("case", ["verdict of another run", "verdict without a run", "verdict of another candidate",
+                                  "verdict without a candidate", "READY answered 503", "run body of another run",
+                                  "readiness body not an object", "run body not an object"])
+def test_a_ready_answer_that_is_not_about_the_gate_run_keeps_the_gate_held(case: str) -> None:
+    """A collector (or a proxy) that ignores ``?run_id=`` answers the latest run's verdict — this process's own run,
+    fed by its held validate traffic: that READY is no evidence for run 7, nor is one judged for another candidate."""
+    run: dict[str, Any] = dict(RUN, id=GATE, run_key="validate-run")
+    mend: Any = lambda b: b  # noqa: E731
+    status = 200
+    if case == "verdict of another run":
+        mend = lambda b: dict(b, run_id=GATE + 1, run_key="on-run")  # noqa: E731
+    elif case == "verdict without a run":
+        mend = lambda b: {k: v for k, v in b.items() if k != "run_id"}  # noqa: E731
+    elif case == "verdict of another candidate":
+        mend = lambda b: dict(b, candidate_fingerprint="c-other")  # noqa: E731
+    elif case == "verdict without a candidate":
+        mend = lambda b: {k: v for k, v in b.items() if k != "candidate_fingerprint"}  # noqa: E731
+    elif case == "READY answered 503":
+        status = 503
+    elif case == "run body of another run":
+        run = dict(run, id=GATE + 1)
+    elif case == "readiness body not an object":
+        mend = lambda b: [b]  # noqa: E731
+    rt, _ = gated_runtime()
+    fake = LyingCollector(mend, run, status)
+    if case == "run body not an object":
+        real = fake.__call__
+
+        def listed(request: httpx.Request) -> httpx.Response:
+            resp = real(request)
+            return httpx.Response(200, json=[resp.json()]) if request.url.path == f"/v1/runs/{GATE}" else resp
+
+        client = CollectorClient("http://collector.invalid", transport=httpx.MockTransport(listed))
+    else:
+        client = client_for(fake)
+    gate = PromotionGate(rt, client, GATE, OWN)
+    assert gate.check() is not True
+    assert (rt.mode, rt.gate_held) == ("validate", True), rt.gate_reason
+    assert rt.gate_reason and "READY for" not in rt.gate_reason
+
+
+def test_the_gate_opens_on_the_real_answer_shape() -> None:
+    rt, _ = gated_runtime()
+    assert PromotionGate(rt, client_for(LyingCollector(lambda b: b)), GATE, OWN).check() is True
+    assert rt.mode == "on"
