@@ -118,6 +118,7 @@ class PromotionGate:
         self.done = threading.Event()  # set once the gate opened or can never open for this process
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._state: str | None = None  # what the last line logged said, in short (see _settle)
 
     def check(self) -> bool | None:
         """One question to the collector; applies the answer. Returns :func:`gate_decision`'s first value (None
@@ -128,20 +129,26 @@ class PromotionGate:
         except BatchRejected as e:
             return self._settle(False, f"the collector refused the gate's questions about run {self.gate_id} ({e})")
         except CollectorError as e:
-            return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})")
+            return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})",
+                                "unreachable")
         opened, why = gate_decision(self.gate_id, run, report, self.own, status)
         return self._settle(opened, why)
 
-    def _settle(self, opened: bool | None, why: str) -> bool | None:
+    def _settle(self, opened: bool | None, why: str, state: str | None = None) -> bool | None:
+        """Apply a decision. One log line per *state* of a held gate (``state``; by default ``why`` up to its second
+        colon: the verdict and its first failing criterion — not the numbers after it, which move with every
+        evaluation of a run still collecting evidence); ``rt.gate_reason`` is always the latest ``why``."""
         rt = self.rt
         if opened:
             rt.open_gate(why)
             self.done.set()
             return True
-        if why != rt.gate_reason:
+        state = state if state is not None else ":".join(why.split(":")[:2])
+        if state != self._state:
             level = logging.ERROR if opened is False else logging.WARNING
             log.log(level, "shadowd: promotion gate held (the baseline is served)%s: %s",
                     " for the life of this process" if opened is False else "", why)
+            self._state = state
         rt.gate_reason = why
         if opened is False:
             self.done.set()
@@ -151,8 +158,11 @@ class PromotionGate:
         while not self.done.is_set():
             try:
                 self.check()
-            except Exception:  # never let the thread die with the gate in an unknown state: it stays held
-                log.exception("shadowd: promotion gate check failed; retrying")
+            except Exception as e:  # never let the thread die with the gate in an unknown state: it stays held
+                if self._state != "check failed":  # (the traceback once, not every poll)
+                    log.exception("shadowd: promotion gate check failed; retrying (the baseline is served)")
+                    self._state = "check failed"
+                self.rt.gate_reason = f"the promotion gate's check failed: {e!r}"
             if self.done.is_set() or self._stop.wait(self.interval_s):
                 return
 

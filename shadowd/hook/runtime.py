@@ -102,8 +102,11 @@ class HookRuntime:
     def open_gate(self, why: str) -> None:
         """The promotion gate opened (:mod:`shadowd.hook.gate`): on mode serves the candidate from the next call."""
         with self._mode_lock:
-            if self.gate_held:
-                log.warning("shadowd: promotion gate open: %s", why)
+            if self.gate_held:  # (capture_code: the mode the kill switch lets it reach)
+                lowered = self.capture_code < MODE_CODE[self.config.mode]
+                log.warning("shadowd: promotion gate open: %s%s", why, "" if not lowered else
+                            f" (the kill switch holds mode {MODES[self.capture_code]}: the candidate is served once "
+                            "it is cleared)")
             self.gate_held = False
             self.gate_reason = None
             self._apply_mode()

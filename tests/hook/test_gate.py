@@ -313,3 +313,64 @@ def test_the_gate_opens_on_the_real_answer_shape() -> None:
     rt, _ = gated_runtime()
     assert PromotionGate(rt, client_for(LyingCollector(lambda b: b)), GATE, OWN).check() is True
     assert rt.mode == "on"
+
+
+def test_one_line_per_state_of_the_gate_not_one_per_poll(caplog: pytest.LogCaptureFixture) -> None:
+    """A validate run still collecting evidence has a first reason whose numbers move with every evaluation: the
+    operator gets a line when the verdict or its failing criterion changes, not one every poll (per rank)."""
+    rt, _ = gated_runtime()
+    fake = FakeCollector("INSUFFICIENT_DATA")
+    reasons = iter(f"requests: NEED MORE DATA: {n} distinct requests seen (need 5000)" for n in range(100, 10**6, 100))
+    real = fake.__call__
+
+    def moving(request: httpx.Request) -> httpx.Response:
+        resp = real(request)
+        if request.url.path == "/readiness":
+            return httpx.Response(resp.status_code, json=dict(resp.json(), reasons=[next(reasons)]))
+        return resp
+
+    gate = PromotionGate(rt, CollectorClient("http://collector.invalid", transport=httpx.MockTransport(moving)),
+                         GATE, OWN)
+    with caplog.at_level(logging.INFO, logger="shadowd.hook"):
+        for _ in range(5):
+            assert gate.check() is None
+        held = [r for r in caplog.records if "promotion gate held (" in r.getMessage()]
+        assert len(held) == 1, [r.getMessage() for r in held]
+        assert rt.gate_reason is not None and "500 distinct requests" in rt.gate_reason, "the reason is current"
+        fake.down = True
+        for _ in range(3):
+            assert gate.check() is None
+        fake.down = False
+        fake.verdict = "NOT_READY"
+        for _ in range(3):
+            assert gate.check() is None
+    held = [r.getMessage() for r in caplog.records if "promotion gate held (" in r.getMessage()]
+    assert len(held) == 3, held  # still collecting; the collector away; the verdict turned NOT_READY
+    assert "could not be asked" in held[1] and "NOT_READY" in held[2]
+
+
+def test_a_check_that_keeps_failing_logs_its_traceback_once(caplog: pytest.LogCaptureFixture) -> None:
+    rt, _ = gated_runtime()
+    calls: list[int] = []
+
+    class Broken:
+        def get_run(self, run_id: int) -> Any:
+            calls.append(run_id)
+            raise RuntimeError("broken")
+
+    gate = PromotionGate(rt, Broken(), GATE, OWN, interval_s=0.01).start()
+    try:
+        while len(calls) < 5:
+            gate.done.wait(0.01)
+    finally:
+        gate.stop(5)
+    assert rt.mode == "validate" and "broken" in str(rt.gate_reason)
+    assert len([r for r in caplog.records if "check failed" in r.getMessage()]) == 1
+
+
+def test_the_opening_line_says_when_the_kill_switch_keeps_the_candidate_off(caplog: pytest.LogCaptureFixture) -> None:
+    rt, _ = gated_runtime()
+    rt.set_override("validate")
+    rt.open_gate("run 7 is READY for candidate c1")
+    assert rt.mode == "validate"
+    assert "the kill switch holds mode validate" in caplog.text
