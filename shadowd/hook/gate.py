@@ -13,13 +13,15 @@ validate. With ``SHADOWD_GATE_RUN=<id>`` the hook enforces the gate itself:
 * the gate **opens** when the verdict is READY *and* that run was judged for this deployment: the same
   candidate fingerprint, baseline fingerprint, model, layer count and TP size as this process's own run
   registration (:data:`IDENTITY`). A verdict is evidence for the build, the Triton kernel and the shapes it
-  saw, nothing else;
+  saw, nothing else — and only an answer about run ``<id>`` counts (HTTP 200, that run id, this candidate's
+  fingerprint: :func:`gate_decision`);
 * it stays open for the life of the process (the on-mode run's spot checks and the kill switch watch the
   candidate from then on); the collector's kill switch still lowers the mode whatever the gate says.
 
 The thread never touches the serving path beyond :meth:`HookRuntime.open_gate`. A collector that is down
 keeps the gate held (retried); a run judged for another deployment, an unknown run or a refused request keep
 it held for good (logged once, as an error): the fix is a restart with the right build or ``SHADOWD_GATE_RUN``.
+A held gate logs one line per state (the verdict and its first failing criterion), not one per question.
 """
 
 from __future__ import annotations

@@ -119,6 +119,10 @@ class HookRuntime:
             return None
         from shadowd.hook.gate import PromotionGate
 
+        if self.run_id == self.config.gate_run:
+            log.warning("shadowd: SHADOWD_GATE_RUN=%d is this process's own run (registered under the validate run's "
+                        "key): the gate opens once the validate traffic it serves while held makes that run READY, "
+                        "with no other validate run's verdict before it", self.run_id)
         self.gate = PromotionGate(self, client.fresh(), self.config.gate_run, own).start()
         return self.gate
 

@@ -374,3 +374,15 @@ def test_the_opening_line_says_when_the_kill_switch_keeps_the_candidate_off(capl
     rt.open_gate("run 7 is READY for candidate c1")
     assert rt.mode == "validate"
     assert "the kill switch holds mode validate" in caplog.text
+
+
+def test_a_gate_run_that_is_this_process_s_own_run_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """The on-mode deployment registered under the validate run's key: its gate run is its own run, which its held
+    validate traffic feeds — the gate then opens by itself once that traffic makes it READY. Legitimate evidence
+    (this very build and deployment), but not the step-3 verdict a person looked at: said once, at the start."""
+    rt, _ = gated_runtime()
+    rt.run_id = GATE
+
+    gate = rt.start_gate(client_for(FakeCollector()), OWN)
+    gate.stop(5)
+    assert "is this process's own run" in caplog.text
