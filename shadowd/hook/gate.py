@@ -27,7 +27,9 @@ A held gate logs one line per state (the verdict and its first failing criterion
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,6 +49,19 @@ IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("layer count", ("num_layers",)),
     ("TP size", ("tp_size",)),
 )
+
+
+#: the watchers of this process whose thread runs: a forked child (which has none of its threads) starts its own
+_WATCHING: weakref.WeakSet[PromotionGate] = weakref.WeakSet()
+
+
+def _watch_in_child() -> None:
+    for gate in list(_WATCHING):
+        gate._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which cannot fork)
+    os.register_at_fork(after_in_child=_watch_in_child)
 
 
 def _at(fields: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -156,7 +171,9 @@ class PromotionGate:
             self.done.set()
         return opened
 
-    def _loop(self) -> None:
+    def _loop(self, forked: bool = False) -> None:
+        if forked:  # (made here, not in the fork handler: the parent's connections are not this process's)
+            self.client = self.client.fresh()
         while not self.done.is_set():
             try:
                 self.check()
@@ -172,7 +189,17 @@ class PromotionGate:
         """Watch in a daemon thread (at once, then every ``interval_s`` until the gate opens or never can)."""
         self._thread = threading.Thread(target=self._loop, name="shadowd-gate", daemon=True)
         self._thread.start()
+        _WATCHING.add(self)
         return self
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's thread is not here, so the child's gate would stay held for good; it
+        watches with a thread (and connections) of its own, as the streamer does (``shadowd.hook.streamer``)."""
+        if self.done.is_set() or self._stop.is_set():
+            return
+        self.done, self._stop = threading.Event(), threading.Event()  # (their locks may be the parent thread's)
+        self._thread = threading.Thread(target=self._loop, args=(True,), name="shadowd-gate", daemon=True)
+        self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()

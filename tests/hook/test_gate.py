@@ -386,3 +386,32 @@ def test_a_gate_run_that_is_this_process_s_own_run_is_named(caplog: pytest.LogCa
     gate = rt.start_gate(client_for(FakeCollector()), OWN)
     gate.stop(5)
     assert "is this process's own run" in caplog.text
+
+
+def test_a_child_forked_while_the_gate_is_held_watches_the_gate_itself() -> None:
+    """The gate's thread is not in a forked child (like the streamer's, which makes its own there): without one of
+    its own the child would stay held for good, silently."""
+    import os
+    import signal
+
+    rt, _ = gated_runtime()
+    fake = FakeCollector("NOT_READY")
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN, interval_s=0.02).start()
+    rt.gate = gate
+    try:
+        while len(fake.asked) < 2:
+            gate.done.wait(0.01)
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            ok = False
+            try:
+                signal.alarm(20)
+                fake.verdict = "READY"  # (the child's copy of the fake collector)
+                ok = rt.gate.done.wait(10) and rt.mode == "on"
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's gate opened once its collector said READY"
+        assert rt.mode == "validate" and not gate.done.is_set(), "the parent's gate is its own"
+    finally:
+        gate.stop(5)
