@@ -13,19 +13,23 @@ validate. With ``SHADOWD_GATE_RUN=<id>`` the hook enforces the gate itself:
 * the gate **opens** when the verdict is READY *and* that run was judged for this deployment: the same
   candidate fingerprint, baseline fingerprint, model, layer count and TP size as this process's own run
   registration (:data:`IDENTITY`). A verdict is evidence for the build, the Triton kernel and the shapes it
-  saw, nothing else;
+  saw, nothing else — and only an answer about run ``<id>`` counts (HTTP 200, that run id, this candidate's
+  fingerprint: :func:`gate_decision`);
 * it stays open for the life of the process (the on-mode run's spot checks and the kill switch watch the
   candidate from then on); the collector's kill switch still lowers the mode whatever the gate says.
 
 The thread never touches the serving path beyond :meth:`HookRuntime.open_gate`. A collector that is down
 keeps the gate held (retried); a run judged for another deployment, an unknown run or a refused request keep
 it held for good (logged once, as an error): the fix is a restart with the right build or ``SHADOWD_GATE_RUN``.
+A held gate logs one line per state (the verdict and its first failing criterion), not one per question.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +49,19 @@ IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("layer count", ("num_layers",)),
     ("TP size", ("tp_size",)),
 )
+
+
+#: the watchers of this process whose thread runs: a forked child (which has none of its threads) starts its own
+_WATCHING: weakref.WeakSet[PromotionGate] = weakref.WeakSet()
+
+
+def _watch_in_child() -> None:
+    for gate in list(_WATCHING):
+        gate._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which cannot fork)
+    os.register_at_fork(after_in_child=_watch_in_child)
 
 
 def _at(fields: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -70,18 +87,37 @@ def mismatches(gate_run: Mapping[str, Any], own: Mapping[str, Any]) -> list[str]
     return out
 
 
-def gate_decision(gate_id: int, gate_run: Mapping[str, Any], report: Mapping[str, Any],
-                  own: Mapping[str, Any]) -> tuple[bool | None, str]:
+def gate_decision(gate_id: int, gate_run: Any, report: Any, own: Mapping[str, Any],
+                  status: int = 200) -> tuple[bool | None, str]:
     """Whether the gate opens: (True, why) READY for this deployment; (None, why) not yet (may change: wait);
-    (False, why) never for this process (run ``gate_id`` was judged for another deployment)."""
+    (False, why) never for this process (run ``gate_id`` was judged for another deployment).
+
+    ``gate_run`` and ``report`` are the collector's answers to ``GET /v1/runs/{gate_id}`` and ``GET /readiness?run_id=
+    {gate_id}`` (``status``: the latter's HTTP status). They must be *about run* ``gate_id``: a READY verdict opens
+    the gate only with HTTP 200, the run id asked and the candidate fingerprint of this process (a collector or a
+    proxy that ignores ``?run_id=`` answers the latest run's verdict — perhaps this very process's run, fed by its
+    held validate traffic). An answer that is not is no evidence: the gate holds and asks again."""
+    if not isinstance(gate_run, Mapping) or not isinstance(report, Mapping):
+        return None, f"the collector's answers about run {gate_id} are not a run and a verdict (a proxy?)"
+    if gate_run.get("id") != gate_id:
+        return None, f"the collector answered run {gate_run.get('id')!r} when asked for run {gate_id}"
     diff = mismatches(gate_run, own)
     if diff:
         return False, f"run {gate_id} was judged for another deployment: " + "; ".join(diff)
     verdict = report.get("verdict")
+    if report.get("run_id") != gate_id:
+        return None, (f"the collector answered the verdict of run {report.get('run_id')!r} ({verdict}) when asked "
+                      f"for run {gate_id}'s (does it take ?run_id=?)")
     if verdict != "READY":
         reasons = report.get("reasons") or [report.get("error") or "no reason given"]
         return None, f"run {gate_id} is {verdict or 'not judged'}: {reasons[0]}"
-    return True, f"run {gate_id} is READY for candidate {_at(own, ('candidate', 'fingerprint'))}"
+    mine = _at(own, ("candidate", "fingerprint"))
+    if report.get("candidate_fingerprint") != mine:
+        return None, (f"run {gate_id}'s READY verdict was judged for candidate {report.get('candidate_fingerprint')!r}"
+                      f", not {mine!r}")
+    if status != 200:
+        return None, f"run {gate_id}'s verdict READY came with HTTP {status}, not 200"
+    return True, f"run {gate_id} is READY for candidate {mine}"
 
 
 class PromotionGate:
@@ -99,41 +135,53 @@ class PromotionGate:
         self.done = threading.Event()  # set once the gate opened or can never open for this process
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._state: str | None = None  # what the last line logged said, in short (see _settle)
 
     def check(self) -> bool | None:
         """One question to the collector; applies the answer. Returns :func:`gate_decision`'s first value (None
         also when the collector could not be asked)."""
         try:
             run = self.client.get_run(self.gate_id)
-            _status, report = self.client.readiness(self.gate_id)
+            status, report = self.client.readiness(self.gate_id)
         except BatchRejected as e:
             return self._settle(False, f"the collector refused the gate's questions about run {self.gate_id} ({e})")
         except CollectorError as e:
-            return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})")
-        opened, why = gate_decision(self.gate_id, run, report, self.own)
+            return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})",
+                                "unreachable")
+        opened, why = gate_decision(self.gate_id, run, report, self.own, status)
         return self._settle(opened, why)
 
-    def _settle(self, opened: bool | None, why: str) -> bool | None:
+    def _settle(self, opened: bool | None, why: str, state: str | None = None) -> bool | None:
+        """Apply a decision. One log line per *state* of a held gate (``state``; by default ``why`` up to its second
+        colon: the verdict and its first failing criterion — not the numbers after it, which move with every
+        evaluation of a run still collecting evidence); ``rt.gate_reason`` is always the latest ``why``."""
         rt = self.rt
         if opened:
             rt.open_gate(why)
             self.done.set()
             return True
-        if why != rt.gate_reason:
+        state = state if state is not None else ":".join(why.split(":")[:2])
+        if state != self._state:
             level = logging.ERROR if opened is False else logging.WARNING
             log.log(level, "shadowd: promotion gate held (the baseline is served)%s: %s",
                     " for the life of this process" if opened is False else "", why)
+            self._state = state
         rt.gate_reason = why
         if opened is False:
             self.done.set()
         return opened
 
-    def _loop(self) -> None:
+    def _loop(self, forked: bool = False) -> None:
+        if forked:  # (made here, not in the fork handler: the parent's connections are not this process's)
+            self.client = self.client.fresh()
         while not self.done.is_set():
             try:
                 self.check()
-            except Exception:  # never let the thread die with the gate in an unknown state: it stays held
-                log.exception("shadowd: promotion gate check failed; retrying")
+            except Exception as e:  # never let the thread die with the gate in an unknown state: it stays held
+                if self._state != "check failed":  # (the traceback once, not every poll)
+                    log.exception("shadowd: promotion gate check failed; retrying (the baseline is served)")
+                    self._state = "check failed"
+                self.rt.gate_reason = f"the promotion gate's check failed: {e!r}"
             if self.done.is_set() or self._stop.wait(self.interval_s):
                 return
 
@@ -141,7 +189,17 @@ class PromotionGate:
         """Watch in a daemon thread (at once, then every ``interval_s`` until the gate opens or never can)."""
         self._thread = threading.Thread(target=self._loop, name="shadowd-gate", daemon=True)
         self._thread.start()
+        _WATCHING.add(self)
         return self
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's thread is not here, so the child's gate would stay held for good; it
+        watches with a thread (and connections) of its own, as the streamer does (``shadowd.hook.streamer``)."""
+        if self.done.is_set() or self._stop.is_set():
+            return
+        self.done, self._stop = threading.Event(), threading.Event()  # (their locks may be the parent thread's)
+        self._thread = threading.Thread(target=self._loop, args=(True,), name="shadowd-gate", daemon=True)
+        self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()

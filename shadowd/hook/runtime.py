@@ -19,8 +19,10 @@ first use); every :class:`shadowd.hook.site.ShadowSite` of the process shares it
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,18 @@ log = logging.getLogger("shadowd.hook")
 
 _LOCK = threading.Lock()
 _RUNTIME: HookRuntime | None = None
+#: every runtime made in this process: a forked child gets new mode locks (one held by a thread at the fork, a thread
+#: the child does not have, would never be released there)
+_RUNTIMES: weakref.WeakSet[HookRuntime] = weakref.WeakSet()
+
+
+def _new_mode_locks() -> None:
+    for rt in list(_RUNTIMES):
+        rt._mode_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which cannot fork)
+    os.register_at_fork(after_in_child=_new_mode_locks)
 
 
 class HookRuntime:
@@ -67,6 +81,12 @@ class HookRuntime:
         self.streamer: Any = None
         self._device: Any = None  # shadowd.hook.device.DeviceState, created on the first CUDA call
         self.gate: Any = None  # shadowd.hook.gate.PromotionGate, watching once the run is registered
+        # the mode is changed by more than one thread (the streamer's: the kill switch; the gate's: open_gate; the
+        # serving thread's: disable / fall_back): each change computes the mode and writes it, and the control word,
+        # whole, so a kill switch applied while the gate opens is never overwritten by the opening (the serving path
+        # only reads mode_code: it never takes this lock)
+        self._mode_lock = threading.RLock()
+        _RUNTIMES.add(self)
         self._apply_mode()
 
     # ---- mode and sticky states ----------------------------------------------------------------
@@ -75,16 +95,21 @@ class HookRuntime:
         if override is not None and override not in MODES:
             log.warning("shadowd: ignoring unknown mode_override %r", override)
             return
-        self.override = override
-        self._apply_mode()
+        with self._mode_lock:
+            self.override = override
+            self._apply_mode()
 
     def open_gate(self, why: str) -> None:
         """The promotion gate opened (:mod:`shadowd.hook.gate`): on mode serves the candidate from the next call."""
-        if self.gate_held:
-            log.warning("shadowd: promotion gate open: %s", why)
-        self.gate_held = False
-        self.gate_reason = None
-        self._apply_mode()
+        with self._mode_lock:
+            if self.gate_held:  # (capture_code: the mode the kill switch lets it reach)
+                lowered = self.capture_code < MODE_CODE[self.config.mode]
+                log.warning("shadowd: promotion gate open: %s%s", why, "" if not lowered else
+                            f" (the kill switch holds mode {MODES[self.capture_code]}: the candidate is served once "
+                            "it is cleared)")
+            self.gate_held = False
+            self.gate_reason = None
+            self._apply_mode()
 
     def start_gate(self, client: Any, own: dict[str, Any]) -> Any:
         """Watch the promotion gate (on mode with ``SHADOWD_GATE_RUN``) with a client of its own, once this
@@ -94,36 +119,43 @@ class HookRuntime:
             return None
         from shadowd.hook.gate import PromotionGate
 
+        if self.run_id == self.config.gate_run:
+            log.warning("shadowd: SHADOWD_GATE_RUN=%d is this process's own run (registered under the validate run's "
+                        "key): the gate opens once the validate traffic it serves while held makes that run READY, "
+                        "with no other validate run's verdict before it", self.run_id)
         self.gate = PromotionGate(self, client.fresh(), self.config.gate_run, own).start()
         return self.gate
 
     def _apply_mode(self) -> None:
-        mode = self.config.mode
-        if self.override is not None and MODE_CODE[self.override] < MODE_CODE[mode]:
-            mode = self.override
-        self.capture_code = MODE_CODE[mode]
-        if self.gate_held and MODE_CODE[mode] > MODE_CODE["validate"]:
-            mode = "validate"
-        if mode != self.mode:
-            log.warning("shadowd: mode %s -> %s (kill switch %r%s)", self.mode, mode, self.override,
-                        ", promotion gate held" if self.gate_held else "")
-        self.mode = mode
-        self.mode_code = MODE_CODE[mode]
-        self._sync_device()
+        with self._mode_lock:
+            mode = self.config.mode
+            if self.override is not None and MODE_CODE[self.override] < MODE_CODE[mode]:
+                mode = self.override
+            self.capture_code = MODE_CODE[mode]
+            if self.gate_held and MODE_CODE[mode] > MODE_CODE["validate"]:
+                mode = "validate"
+            if mode != self.mode:
+                log.warning("shadowd: mode %s -> %s (kill switch %r%s)", self.mode, mode, self.override,
+                            ", promotion gate held" if self.gate_held else "")
+            self.mode = mode
+            self.mode_code = MODE_CODE[mode]
+            self._sync_device()
 
     def disable(self, reason: str) -> None:
-        if not self.disabled:
-            log.error("shadowd: candidate disabled for this process: %s", reason)
-        self.disabled = True
-        self.disabled_reason = self.disabled_reason or reason
-        self._sync_device()
+        with self._mode_lock:
+            if not self.disabled:
+                log.error("shadowd: candidate disabled for this process: %s", reason)
+            self.disabled = True
+            self.disabled_reason = self.disabled_reason or reason
+            self._sync_device()
 
     def fall_back(self, reason: str) -> None:
-        if not self.fallback:
-            log.error("shadowd: on-mode fell back to the baseline for this process: %s", reason)
-        self.fallback = True
-        self.fallback_reason = self.fallback_reason or reason
-        self._sync_device()
+        with self._mode_lock:
+            if not self.fallback:
+                log.error("shadowd: on-mode fell back to the baseline for this process: %s", reason)
+            self.fallback = True
+            self.fallback_reason = self.fallback_reason or reason
+            self._sync_device()
 
     def _sync_device(self) -> None:
         if self._device is not None:
@@ -170,8 +202,9 @@ class HookRuntime:
         if self._device is None:
             from shadowd.hook.device import DeviceState
 
-            self._device = DeviceState(self)
-            self._device.sync_host_control(self)
+            with self._mode_lock:  # (a kill switch applied meanwhile is in the word: packed after it, or by it)
+                self._device = DeviceState(self)
+                self._device.sync_host_control(self)
             if self.streamer is not None:
                 self.streamer.pollers.append(self._device.poll)
         return self._device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any
 
 import httpx
@@ -36,7 +37,8 @@ class FakeCollector:
         if request.url.path == f"/v1/runs/{GATE}":
             return httpx.Response(200, json=self.run)
         if request.url.path == "/readiness" and request.url.params.get("run_id") == str(GATE):
-            body = {"verdict": self.verdict, "reasons": [] if self.verdict == "READY" else ["exceedance 3 %"],
+            body = {"run_id": GATE, "verdict": self.verdict,
+                    "reasons": [] if self.verdict == "READY" else ["exceedance 3 %"],
                     "candidate_fingerprint": self.run["candidate"]["fingerprint"]}
             return httpx.Response(200 if self.verdict == "READY" else 503, json=body)
         return httpx.Response(404, json={"detail": f"run {request.url.path} not found"})
@@ -88,11 +90,13 @@ def test_validate_mode_ignores_the_gate() -> None:
 # ---- the decision ----------------------------------------------------------------------------------------------
 def test_the_decision_opens_only_on_ready_for_this_deployment() -> None:
     run = dict(RUN, id=GATE)
-    assert gate_decision(GATE, run, {"verdict": "READY"}, OWN)[0] is True
-    opened, why = gate_decision(GATE, run, {"verdict": "NOT_READY", "reasons": ["layer 3 drifts"]}, OWN)
+    ready = {"run_id": GATE, "verdict": "READY", "candidate_fingerprint": "c1"}
+    assert gate_decision(GATE, run, ready, OWN)[0] is True
+    opened, why = gate_decision(GATE, run, {"run_id": GATE, "verdict": "NOT_READY", "reasons": ["layer 3 drifts"]},
+                                OWN, 503)
     assert opened is None and why == "run 7 is NOT_READY: layer 3 drifts"
     other = dict(run, candidate={"name": "cand", "fingerprint": "c0"}, tp_size=2)
-    opened, why = gate_decision(GATE, other, {"verdict": "READY"}, OWN)
+    opened, why = gate_decision(GATE, other, ready, OWN)
     assert opened is False
     assert "candidate fingerprint 'c0' there, 'c1' here" in why and "TP size 2 there, 1 here" in why
 
@@ -171,3 +175,243 @@ def test_start_streaming_watches_the_gate_against_a_real_collector(collector: Co
     finally:
         rt.gate.stop(5)
         streamer.close(2.0)
+
+
+# ---- races, answers not for this run, logging ------------------------------------------------------------------
+class _Interleave(logging.Handler):
+    """Runs ``action`` in another thread the first time a record whose message contains ``marker`` is logged, and
+    waits (briefly) for it to finish: a deterministic interleaving of two threads at that point of the code."""
+
+    def __init__(self, marker: str, action: Any) -> None:
+        super().__init__(logging.DEBUG)
+        self.marker, self.action, self.fired = marker, action, False
+        self.thread: threading.Thread | None = None
+
+    def createLock(self) -> None:
+        # no I/O lock: the other thread logs too, and must not wait for this emit (that would serialise the threads)
+        self.lock = None  # type: ignore[assignment]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.fired or self.marker not in record.getMessage():
+            return
+        self.fired = True
+        self.thread = threading.Thread(target=self.action)
+        self.thread.start()
+        self.thread.join(0.5)  # (a runtime that serialises mode changes keeps the other thread waiting: it goes on)
+
+
+def test_a_kill_switch_that_lands_while_the_gate_opens_is_not_lost() -> None:
+    """The streamer's thread applies the kill switch while the gate's thread is opening the gate: whatever the
+    interleaving, the mode ends up off (the collector's kill switch always wins)."""
+    rt, _ = gated_runtime()
+    log = logging.getLogger("shadowd.hook")
+    hook = _Interleave("mode validate -> on", lambda: rt.set_override("off"))
+    log.addHandler(hook)
+    try:
+        opener = threading.Thread(target=rt.open_gate, args=("test",))
+        opener.start()
+        opener.join(5)
+    finally:
+        log.removeHandler(hook)
+    assert hook.fired and hook.thread is not None
+    hook.thread.join(5)
+    assert (rt.override, rt.mode, rt.mode_code) == ("off", "off", 0), "the kill switch says off: nothing is served"
+
+
+def test_a_child_forked_while_another_thread_changes_the_mode_can_still_change_it() -> None:
+    """The mode lock held by a thread of the parent at the fork (a thread the child does not have): the child's kill
+    switch and sticky flags must not wait for it forever."""
+    import os
+    import signal
+
+    rt, _ = gated_runtime()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with rt._mode_lock:
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert holding.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        ok = False
+        try:
+            signal.alarm(10)
+            rt.set_override("off")
+            rt.fall_back("test")
+            ok = rt.mode == "off" and rt.fallback
+        finally:
+            os._exit(0 if ok else 1)
+    release.set()
+    t.join(5)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child changed its mode without waiting for a dead thread"
+
+
+class LyingCollector(FakeCollector):
+    """Answers for run 7 with bodies that are not quite about run 7 (``mend`` rewrites the readiness body, ``run``
+    is the run body)."""
+
+    def __init__(self, mend: Any, run: dict[str, Any] | None = None, status: int = 200) -> None:
+        super().__init__("READY", run)
+        self.mend, self.status = mend, status
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readiness":
+            self.asked.append(request.url.path)
+            body = {"run_id": GATE, "run_key": "validate-run", "verdict": "READY", "reasons": [],
+                    "candidate_fingerprint": self.run["candidate"]["fingerprint"]}
+            return httpx.Response(self.status, json=self.mend(body))
+        return super().__call__(request)
+
+
+@pytest.mark.parametrize("case", ["verdict of another run", "verdict without a run", "verdict of another candidate",
+                                  "verdict without a candidate", "READY answered 503", "run body of another run",
+                                  "readiness body not an object", "run body not an object"])
+def test_a_ready_answer_that_is_not_about_the_gate_run_keeps_the_gate_held(case: str) -> None:
+    """A collector (or a proxy) that ignores ``?run_id=`` answers the latest run's verdict — this process's own run,
+    fed by its held validate traffic: that READY is no evidence for run 7, nor is one judged for another candidate."""
+    run: dict[str, Any] = dict(RUN, id=GATE, run_key="validate-run")
+    mend: Any = lambda b: b  # noqa: E731
+    status = 200
+    if case == "verdict of another run":
+        mend = lambda b: dict(b, run_id=GATE + 1, run_key="on-run")  # noqa: E731
+    elif case == "verdict without a run":
+        mend = lambda b: {k: v for k, v in b.items() if k != "run_id"}  # noqa: E731
+    elif case == "verdict of another candidate":
+        mend = lambda b: dict(b, candidate_fingerprint="c-other")  # noqa: E731
+    elif case == "verdict without a candidate":
+        mend = lambda b: {k: v for k, v in b.items() if k != "candidate_fingerprint"}  # noqa: E731
+    elif case == "READY answered 503":
+        status = 503
+    elif case == "run body of another run":
+        run = dict(run, id=GATE + 1)
+    elif case == "readiness body not an object":
+        mend = lambda b: [b]  # noqa: E731
+    rt, _ = gated_runtime()
+    fake = LyingCollector(mend, run, status)
+    if case == "run body not an object":
+        real = fake.__call__
+
+        def listed(request: httpx.Request) -> httpx.Response:
+            resp = real(request)
+            return httpx.Response(200, json=[resp.json()]) if request.url.path == f"/v1/runs/{GATE}" else resp
+
+        client = CollectorClient("http://collector.invalid", transport=httpx.MockTransport(listed))
+    else:
+        client = client_for(fake)
+    gate = PromotionGate(rt, client, GATE, OWN)
+    assert gate.check() is not True
+    assert (rt.mode, rt.gate_held) == ("validate", True), rt.gate_reason
+    assert rt.gate_reason and "READY for" not in rt.gate_reason
+
+
+def test_the_gate_opens_on_the_real_answer_shape() -> None:
+    rt, _ = gated_runtime()
+    assert PromotionGate(rt, client_for(LyingCollector(lambda b: b)), GATE, OWN).check() is True
+    assert rt.mode == "on"
+
+
+def test_one_line_per_state_of_the_gate_not_one_per_poll(caplog: pytest.LogCaptureFixture) -> None:
+    """A validate run still collecting evidence has a first reason whose numbers move with every evaluation: the
+    operator gets a line when the verdict or its failing criterion changes, not one every poll (per rank)."""
+    rt, _ = gated_runtime()
+    fake = FakeCollector("INSUFFICIENT_DATA")
+    reasons = iter(f"requests: NEED MORE DATA: {n} distinct requests seen (need 5000)" for n in range(100, 10**6, 100))
+    real = fake.__call__
+
+    def moving(request: httpx.Request) -> httpx.Response:
+        resp = real(request)
+        if request.url.path == "/readiness":
+            return httpx.Response(resp.status_code, json=dict(resp.json(), reasons=[next(reasons)]))
+        return resp
+
+    gate = PromotionGate(rt, CollectorClient("http://collector.invalid", transport=httpx.MockTransport(moving)),
+                         GATE, OWN)
+    with caplog.at_level(logging.INFO, logger="shadowd.hook"):
+        for _ in range(5):
+            assert gate.check() is None
+        held = [r for r in caplog.records if "promotion gate held (" in r.getMessage()]
+        assert len(held) == 1, [r.getMessage() for r in held]
+        assert rt.gate_reason is not None and "500 distinct requests" in rt.gate_reason, "the reason is current"
+        fake.down = True
+        for _ in range(3):
+            assert gate.check() is None
+        fake.down = False
+        fake.verdict = "NOT_READY"
+        for _ in range(3):
+            assert gate.check() is None
+    held = [r.getMessage() for r in caplog.records if "promotion gate held (" in r.getMessage()]
+    assert len(held) == 3, held  # still collecting; the collector away; the verdict turned NOT_READY
+    assert "could not be asked" in held[1] and "NOT_READY" in held[2]
+
+
+def test_a_check_that_keeps_failing_logs_its_traceback_once(caplog: pytest.LogCaptureFixture) -> None:
+    rt, _ = gated_runtime()
+    calls: list[int] = []
+
+    class Broken:
+        def get_run(self, run_id: int) -> Any:
+            calls.append(run_id)
+            raise RuntimeError("broken")
+
+    gate = PromotionGate(rt, Broken(), GATE, OWN, interval_s=0.01).start()
+    try:
+        while len(calls) < 5:
+            gate.done.wait(0.01)
+    finally:
+        gate.stop(5)
+    assert rt.mode == "validate" and "broken" in str(rt.gate_reason)
+    assert len([r for r in caplog.records if "check failed" in r.getMessage()]) == 1
+
+
+def test_the_opening_line_says_when_the_kill_switch_keeps_the_candidate_off(caplog: pytest.LogCaptureFixture) -> None:
+    rt, _ = gated_runtime()
+    rt.set_override("validate")
+    rt.open_gate("run 7 is READY for candidate c1")
+    assert rt.mode == "validate"
+    assert "the kill switch holds mode validate" in caplog.text
+
+
+def test_a_gate_run_that_is_this_process_s_own_run_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """The on-mode deployment registered under the validate run's key: its gate run is its own run, which its held
+    validate traffic feeds — the gate then opens by itself once that traffic makes it READY. Legitimate evidence
+    (this very build and deployment), but not the step-3 verdict a person looked at: said once, at the start."""
+    rt, _ = gated_runtime()
+    rt.run_id = GATE
+
+    gate = rt.start_gate(client_for(FakeCollector()), OWN)
+    gate.stop(5)
+    assert "is this process's own run" in caplog.text
+
+
+def test_a_child_forked_while_the_gate_is_held_watches_the_gate_itself() -> None:
+    """The gate's thread is not in a forked child (like the streamer's, which makes its own there): without one of
+    its own the child would stay held for good, silently."""
+    import os
+    import signal
+
+    rt, _ = gated_runtime()
+    fake = FakeCollector("NOT_READY")
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN, interval_s=0.02).start()
+    rt.gate = gate
+    try:
+        while len(fake.asked) < 2:
+            gate.done.wait(0.01)
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            ok = False
+            try:
+                signal.alarm(20)
+                fake.verdict = "READY"  # (the child's copy of the fake collector)
+                ok = rt.gate.done.wait(10) and rt.mode == "on"
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's gate opened once its collector said READY"
+        assert rt.mode == "validate" and not gate.done.is_set(), "the parent's gate is its own"
+    finally:
+        gate.stop(5)
