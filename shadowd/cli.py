@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -60,7 +61,7 @@ def serve(
     token: Annotated[str | None, typer.Option(help="bearer token (or SHADOWD_TOKEN)")] = None,
     upgrade: Annotated[bool, typer.Option("--upgrade", help="apply pending migrations at start")] = False,
     policy: Annotated[Path | None, typer.Option(help="readiness policy file (TOML/JSON)")] = None,
-    log_level: Annotated[str, typer.Option(help="log level")] = "info",
+    log_level: Annotated[str, typer.Option(help="critical, error, warning, info, debug or trace")] = "info",
 ) -> None:
     """Run the collector (FastAPI on uvicorn)."""
     import uvicorn
@@ -69,6 +70,9 @@ def serve(
     from shadowd.collector.db import SchemaOutdated
     from shadowd.collector.settings import CollectorSettings
 
+    level = log_level.lower()
+    if level not in _LOG_LEVELS:
+        raise typer.BadParameter(f"{log_level!r} is not one of {', '.join(_LOG_LEVELS)}", param_hint="'--log-level'")
     overrides: dict[str, object] = {}
     for key, value in (("db_url", db), ("host", host), ("port", port), ("token", token),
                        ("policy_file", policy)):
@@ -76,14 +80,42 @@ def serve(
             overrides[key] = value
     if upgrade:
         overrides["auto_upgrade"] = True
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=_LOG_LEVELS[level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = CollectorSettings(**overrides)  # type: ignore[arg-type]
+    # the address first: one in use (another collector, a demo) is refused before migrations and the writer
+    # process start, naming the setting (uvicorn would say so only after both, and exit 3, the code for an
+    # outdated schema); the probe is closed at once, uvicorn binds its own
+    listen_socket(settings.host, settings.port).close()
     try:
         application = create_app(settings)
     except SchemaOutdated as exc:
         typer.echo(f"shadowd: refusing to start: {exc}", err=True)
         raise typer.Exit(3) from None
-    uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower())
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level=level)
+
+
+#: ``--log-level`` values: uvicorn's, with the number each stands for (uvicorn's ``trace`` is 5)
+_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+               "info": logging.INFO, "debug": logging.DEBUG, "trace": 5}
+
+
+class PortInUse(Exception):
+    """The collector's address cannot be listened on (in use, or a host this machine does not have)."""
+
+
+def listen_socket(host: str, port: int, *,
+                  hint: str = "--port / SHADOWD_PORT (or --host / SHADOWD_HOST)") -> socket.socket:
+    """A TCP socket bound to ``host:port`` as uvicorn binds one; :class:`PortInUse` naming ``hint`` otherwise."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        raise PortInUse(f"cannot listen on {host}:{port}: {why} — choose another {hint}") from None
+    return sock
 
 
 @app.command()
@@ -101,7 +133,21 @@ def readiness(
     4 request refused (unknown run, bad token). --wait stops early on a NOT_READY that holds for the run."""
     from shadowd.readiness_cli import readiness_command
 
+    _check_url(url)
     raise typer.Exit(readiness_command(url, run, wait, token, expect_fingerprint=expect_fingerprint))
+
+
+def _check_url(url: str) -> None:
+    """A collector URL httpx can send to (http or https, with a host): else a usage error naming --url."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise typer.BadParameter(f"{url!r}: {exc}", param_hint="'--url' / SHADOWD_URL") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise typer.BadParameter(f"{url!r} is not an http:// or https:// URL with a host (e.g. "
+                                 "http://127.0.0.1:8787)", param_hint="'--url' / SHADOWD_URL")
 
 
 @app.command()
@@ -126,7 +172,7 @@ def demo(
     layers: Annotated[int, typer.Option(min=1, help="layers of the simulated model")] = 8,
     db: Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL of the demo's collector (default: a "
                                                         "SQLite file in a new temporary directory)")] = None,
-    port: Annotated[int | None, typer.Option(help="collector port (default: a free one)")] = None,
+    port: Annotated[int | None, typer.Option(min=0, max=65535, help="collector port (default: a free one)")] = None,
     keep_serving: Annotated[bool, typer.Option("--keep-serving", help="leave the collector running")] = False,
 ) -> None:
     """Run the whole loop on the CPU: collector, hook, streamer, verdict.
@@ -265,6 +311,8 @@ def _config_error(exc: BaseException) -> str | None:
         return f"cannot use the database: {detail}{hint} — check --db / SHADOWD_DB_URL"
     if kind == "alembic":
         return f"migrations: {str(exc).splitlines()[0]}"
+    if isinstance(exc, PortInUse):
+        return str(exc)
     if type(exc).__name__ == "PolicyError":  # shadowd.judge.policy: names the file and the knob
         return str(exc)
     return None

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shadowd.cli import EXIT_USAGE, PortInUse, listen_socket
 from shadowd.client import CollectorClient, CollectorError
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.runtime import HookRuntime, set_runtime
@@ -84,6 +85,18 @@ def _wait_up(client: CollectorClient, proc: subprocess.Popen[bytes], timeout: fl
     return False
 
 
+def _config_refusal(proc: subprocess.Popen[bytes], log_path: Path) -> str | None:
+    """The line a collector that exited with EXIT_USAGE wrote (what to fix), else None."""
+    if proc.poll() != EXIT_USAGE:
+        return None
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    said = [line for line in lines if line.startswith("shadowd: ")]
+    return said[-1].removeprefix("shadowd: ") if said else None
+
+
 def _workload_step(rng: random.Random, heads: int, step: int, seed: int) -> tuple[tuple[Any, ...], Bucket]:
     bs, sizes, (lo, hi) = _PROFILES[step % len(_PROFILES)]
     trees = [sizes[0]] + [rng.choice(sizes) for _ in range(bs - 1)]
@@ -106,6 +119,12 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
     if fault not in FAULTS:
         print(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}", file=sys.stderr)
         return 2
+    if port:  # (a collector already there would answer the demo's requests: its traffic would go there)
+        try:
+            listen_socket("127.0.0.1", port, hint="--port, or leave it out for a free one").close()
+        except PortInUse as exc:
+            print(f"shadowd demo: --port {port}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if duration < SHORT_DURATION_S:
         print(f"note: the demo policy needs samples spanning {SHORT_DURATION_S - 10:.0f} s from about 50 requests: "
               f"--duration {duration:g} is likely too short to reach a verdict")
@@ -128,6 +147,10 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
     restore = _stop_on_sigterm()  # a SIGTERM runs the cleanup below too: the collector never outlives the demo
     try:
         if not _wait_up(client, proc):
+            refusal = _config_refusal(proc, work / "collector.log")
+            if refusal is not None:  # (the demo's --db, or a SHADOWD_* setting: the collector's one line says what)
+                print(f"shadowd demo: the collector refused its configuration: {refusal}", file=sys.stderr)
+                return EXIT_USAGE
             print("the collector did not start; see " + str(work / "collector.log"), file=sys.stderr)
             return 1
         cfg = HookConfig(mode="validate", sampling=Sampling(1), url=url, run_key=f"demo-{fault}-{int(time.time())}",

@@ -103,8 +103,8 @@ class Captures:
         """Device copies of the call's (compacted) inputs and outputs, on the serving stream; no synchronisation.
         False when one is already in flight or the byte bound stops it."""
         writer = site._bundles
-        if writer is not None and writer.count >= writer.max_count:
-            return False  # the site's bundles are all written: no more device copies
+        if writer is not None and writer.full:
+            return False  # the bundle directory is full: no more device copies
         with self._lock:
             if self._pending is not None or self._reserved:
                 return False

@@ -44,23 +44,59 @@ def resolve(ref: str | None) -> Callable[..., Any] | None:
 
 def load_bundle(path: str | Path, device: str | None = None
                 ) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """(args, kwargs, outputs, meta) of a bundle; tensors on ``device`` (default: where they can run)."""
+    """(args, kwargs, outputs, meta) of a bundle; tensors on ``device`` (default: where they can run).
+
+    Raises ValueError, naming the bundle and what is wrong, for anything that is not a bundle as
+    :class:`shadowd.hook.bundle.BundleWriter` writes it (a missing, truncated or unreadable file, a ``meta.json``
+    of another shape or ``format``, an argument naming a tensor the file does not hold)."""
     p = Path(path)
     if not (p / "meta.json").is_file() or not (p / "tensors.safetensors").is_file():
         raise ValueError(f"{p}: not a repro bundle (it needs meta.json and tensors.safetensors)")
-    meta = json.loads((p / "meta.json").read_text())
+    try:
+        meta = json.loads((p / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{p}: meta.json cannot be read: {e}") from None
+    _check_meta(p, meta)
+    try:
+        loaded = load_file(str(p / "tensors.safetensors"))
+    except Exception as e:  # safetensors' own error for a truncated / foreign file, or OSError
+        raise ValueError(f"{p}: tensors.safetensors cannot be read: {type(e).__name__}: {e}") from None
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tensors = {k: v.to(dev) for k, v in load_file(str(p / "tensors.safetensors")).items()}
+    tensors = {k: v.to(dev) for k, v in loaded.items()}
 
-    def value(x: Any) -> Any:
+    def value(x: Any, where: str) -> Any:
         if isinstance(x, dict) and set(x) == {"tensor"}:
+            if x["tensor"] not in tensors:
+                raise ValueError(f"{p}: meta.json's {where} names tensor {x['tensor']!r}, which "
+                                 "tensors.safetensors does not hold")
             return tensors[x["tensor"]]
         return x
 
-    args = tuple(value(a) for a in meta["args"])
-    kwargs = {k: value(v) for k, v in meta["kwargs"].items()}
+    args = tuple(value(a, f"args[{i}]") for i, a in enumerate(meta["args"]))
+    kwargs = {k: value(v, f"kwargs[{k!r}]") for k, v in meta["kwargs"].items()}
     outs = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("out.")}
     return args, kwargs, outs, meta
+
+
+def _check_meta(p: Path, meta: Any) -> None:
+    from shadowd.hook.bundle import BUNDLE_FORMAT
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{p}: not a repro bundle this shadowd can read: meta.json {what}")
+
+    if not isinstance(meta, dict):
+        raise bad(f"holds a {type(meta).__name__}, not an object")
+    fmt = meta.get("format", BUNDLE_FORMAT)
+    if fmt != BUNDLE_FORMAT or isinstance(fmt, bool):
+        raise bad(f"is of format {fmt!r}; this shadowd reads format {BUNDLE_FORMAT}")
+    if not isinstance(meta.get("args"), list):
+        raise bad("has no 'args' list")
+    if not isinstance(meta.get("kwargs", {}), dict):
+        raise bad("has a 'kwargs' that is not an object")
+    meta.setdefault("kwargs", {})
+    refs = meta.get("refs") or {}
+    if not isinstance(refs, dict) or not all(isinstance(v, str) for v in refs.values()):
+        raise bad("has 'refs' that are not an object of 'module:function' strings")
 
 
 def _stats(c: torch.Tensor | None, b: torch.Tensor | None) -> dict[str, Any] | None:
@@ -83,7 +119,7 @@ def replay_bundle(path: str | Path, baseline: Callable[..., Any] | None = None,
     for name, fn in given.items():
         try:
             fns[name] = fn or resolve(refs.get(name))
-        except (ImportError, AttributeError) as e:  # a ref this environment cannot import
+        except Exception as e:  # a ref this environment cannot import (or whose module raises on import)
             fns[name] = None
             errors[name] = f"cannot import {refs.get(name)!r}: {type(e).__name__}: {e}"
     missing = [name for name in ("baseline", "candidate") if fns[name] is None and name not in errors]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -126,3 +128,58 @@ def test_db_current_names_the_revision_and_creates_no_file(tmp_path: Path, capsy
     capsys.readouterr()
     assert main(["db", "current", "--db", f"sqlite:///{path}"]) == 0
     assert "database schema is current (revision " in capsys.readouterr().out
+
+
+@pytest.fixture()
+def busy_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def test_serve_on_a_port_in_use_names_the_port(tmp_path: Path, busy_port: int,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # (it started the app, migrated the database and only then failed in uvicorn, exit 3: the code for an
+    # outdated schema)
+    db = tmp_path / "x.db"
+    assert main(["serve", "--db", f"sqlite:///{db}", "--upgrade", "--port", str(busy_port)]) == EXIT_USAGE
+    err = _err(capsys)
+    assert f"127.0.0.1:{busy_port}" in err and "--port / SHADOWD_PORT" in err and len(err.splitlines()) == 1
+    assert not db.exists()  # refused before anything was started
+
+
+def test_serve_with_an_unknown_log_level_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--log-level", "loud"]) == EXIT_USAGE
+    err = _err(capsys)
+    assert "Invalid value for '--log-level'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "127.0.0.1:8787", "ftp://x", "http://"])
+def test_readiness_with_a_malformed_url_is_a_usage_error(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # (exit 3, "collector unreachable", or a traceback and exit 1: NOT_READY to a pipeline)
+    assert main(["readiness", "--url", url]) == EXIT_USAGE
+    err = _err(capsys)
+    assert "Invalid value for '--url'" in err and "Traceback" not in err
+
+
+def test_demo_on_a_port_in_use_is_refused_before_any_traffic(busy_port: int,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # (it drove its whole workload into whatever collector answered there, judged with that one's policy)
+    pytest.importorskip("torch")
+    assert main(["demo", "--port", str(busy_port), "--duration", "1"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert f"--port {busy_port}" in captured.err and len(captured.err.splitlines()) == 1
+    assert "steps" not in captured.out
+    assert main(["demo", "--port", "70000"]) == EXIT_USAGE
+
+
+def test_demo_with_a_database_url_it_cannot_use_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (the collector refused the URL with exit 64 and one line in its log; the demo said "did not start", exit 1)
+    pytest.importorskip("torch")
+    for url, says in (("bogus://x", "db_url must be"),
+                      (f"sqlite:///{tmp_path / 'no' / 'dir' / 'x.db'}", "does its directory exist?")):
+        assert main(["demo", "--db", url, "--duration", "1"]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "--db / SHADOWD_DB_URL" in err and says in err and len(err.splitlines()) == 1, err
