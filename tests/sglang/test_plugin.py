@@ -293,3 +293,40 @@ def test_a_custom_candidate_without_an_error_flag_parameter_is_not_given_one() -
         return q
 
     assert _takes(older, "error_flag") and not _takes(older, "nonfinite_flag")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16-cache", "fp8-cache"])
+def test_a_cache_in_another_dtype_than_q_is_passed_through(sgl: Any, fresh_plugins: Any,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           cache_dtype: torch.dtype) -> None:
+    """``--kv-cache-dtype fp8_e4m3`` without KV scales (``layer.k_scale`` None): SGLang's Triton kernel reads the fp8
+    cache and rounds q to fp8 for the dot; the candidate takes a cache in q's dtype only (``tree_verify``: bf16, an
+    ArgumentError on anything else, which disabled the candidate for the process and made the run NOT_READY for good).
+    Such a call is no like-for-like comparison: it is SGLang's, untouched, and the reason counted."""
+    import shadowd.sglang.plugin as plugin
+
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    original = sgl.TritonAttnBackend.__dict__["forward_extend"].__wrapped__
+    calls: list[tuple[Any, ...]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs) if cache_dtype != torch.float8_e4m3fn else args[1][:, :1024] * 0
+
+    from sglang.srt.runtime_context import get_parallel
+
+    case = make_case(sgl, layers=2, cache_dtype=cache_dtype)
+    v = plugin.state().verify
+    with get_parallel().override(dcp_enabled=False):
+        for layer, q, k in zip(case.layers, case.q, case.k, strict=True):
+            v(recording, case.backend, q, k, k[..., :512], layer, case.forward_batch)
+    assert samples == []
+    assert v.shadowed == 0 and v.reasons == {"KV cache dtype differs from q": 2}, v.reasons
+    # SGLang's own call, with the cache write left to it (save_kv_cache=True)
+    assert len(calls) == 2 and all(c[6] is True for c in calls)
+    if cache_dtype == torch.float16:  # (the Triton interpreter takes fp16, not fp8): the same result as plain SGLang
+        ref = make_case(sgl, layers=2, cache_dtype=cache_dtype)
+        expected = run_layers(ref, forward_extend=original)
+        got = run_layers(make_case(sgl, layers=2, cache_dtype=cache_dtype))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
