@@ -51,6 +51,8 @@ log = logging.getLogger("shadowd.sglang")
 TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 SITE_NAME = "sglang.mla_tree_verify"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: the pass-through reasons of every deployment (prefill, decode, the draft runner, mode off): never logged
+_COMMON = frozenset(("not target verify", "draft runner", "mode off"))
 
 
 def ineligible(backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, sinks: Any = None,
@@ -159,7 +161,11 @@ class VerifyShadow:
             why = _cache_reason(q, k, kv_buffer)
         if why is not None:
             self.passed += 1
-            self.reasons[why] = self.reasons.get(why, 0) + 1
+            seen = self.reasons.get(why, 0)
+            self.reasons[why] = seen + 1
+            if not seen and why not in _COMMON:  # a target-verify call of the target model: say why, once per reason
+                log.warning("shadowd: target-verify calls not shadowed (served by SGLang, untouched): %s (first seen "
+                            "at layer %s; counted, said once)", why, getattr(layer, "layer_id", "?"))
             return original(backend, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors,
                             **extra)
         self.shadowed += 1

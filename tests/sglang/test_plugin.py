@@ -330,3 +330,25 @@ def test_a_cache_in_another_dtype_than_q_is_passed_through(sgl: Any, fresh_plugi
         expected = run_layers(ref, forward_extend=original)
         got = run_layers(make_case(sgl, layers=2, cache_dtype=cache_dtype))
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_target_verify_calls_not_shadowed_say_why_once(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A deployment whose target-verify calls all pass through (KV scales, an fp8 cache, a sliding window, ...) said
+    'plugin active' and then streamed nothing, with no word why (the reasons were only counted in memory). The
+    first call of each such reason is logged; prefill, decode, the draft runner and mode off (the common pass-through)
+    are not."""
+    import logging
+
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    with caplog.at_level(logging.INFO, logger="shadowd.sglang"):
+        run_layers(make_case(sgl, mode="EXTEND"))
+        run_layers(make_case(sgl, draft_runner=True))
+        assert [r for r in caplog.records if "not shadowed" in r.getMessage()] == []
+        for _ in range(2):
+            run_layers(make_case(sgl, cache_dtype=torch.float16))
+    said = [r for r in caplog.records if "not shadowed" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "KV cache dtype differs from q" in said[0].getMessage() and "layer 0" in said[0].getMessage()
+    assert samples == []
