@@ -352,3 +352,31 @@ def test_target_verify_calls_not_shadowed_say_why_once(sgl: Any, fresh_plugins: 
     assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
     assert "KV cache dtype differs from q" in said[0].getMessage() and "layer 0" in said[0].getMessage()
     assert samples == []
+
+
+def test_spec_on_counts_only_steps_that_serve_the_candidate(sgl: Any, fresh_plugins: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On mode after a fallback (or with the candidate disabled) serves SGLang's kernel: those steps' accept length
+    is the baseline's, and was counted as 'on' — diluting the on-mode figure exactly when the candidate misbehaved."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
+
+    import shadowd.sglang.plugin as plugin
+    from shadowd.hook.runtime import get_runtime
+
+    _runtime("on")
+    _load(fresh_plugins, monkeypatch, "on")
+    rep = SimpleNamespace(spec_num_accept_tokens=0, spec_num_correct_drafts=0, spec_num_forward_ct=0,
+                          spec_num_block_accept_tokens=0, spec_num_cap_tokens=0)
+    SchedulerMetricsReporter.update_spec_metrics(rep, 4, 6, num_accept_tokens=10)  # (SGLang passes it by keyword)
+    case = make_case(sgl, layers=1)
+    get_runtime().fall_back("test")
+    expected = run_layers(make_case(sgl, layers=1), forward_extend=sgl.TritonAttnBackend.__dict__[
+        "forward_extend"].__wrapped__)
+    assert torch.equal(run_layers(case)[0], expected[0])  # what is served now: SGLang's kernel
+    SchedulerMetricsReporter.update_spec_metrics(rep, 2, 1, num_accept_tokens=3)
+    spec = plugin.state().spec
+    assert spec.summary("on") == (2.5, 10.0)
+    assert spec.counts["spec_passes_on"] == 1 and spec.counts["spec_passes_validate"] == 1
+    assert spec.summary("validate") == (1.5, 3.0)
