@@ -26,7 +26,8 @@ class UntestedSGLang(RuntimeError):
 
 
 def parse_version(version: str) -> tuple[int, ...]:
-    """``"0.5.23"`` → ``(0, 5, 23)``; ``"0.5.23.post1"`` / ``"0.5.23rc0"`` → ``(0, 5, 23)``."""
+    """``"0.5.23"`` → ``(0, 5, 23)``; ``"0.5.23.post1"`` / ``"0.5.23rc0"`` → ``(0, 5, 23)`` (the release part only:
+    the range check is :func:`check_version`'s, which orders pre-releases before their release)."""
     nums = []
     for part in version.strip().split(".")[:3]:
         m = re.match(r"\d+", part)
@@ -48,6 +49,29 @@ def installed_version() -> str | None:
         return None
 
 
+def _in_range(version: str) -> bool:
+    """``TESTED_MIN <= version < TESTED_MAX_EXCLUSIVE`` as PEP 440 orders versions: a pre- or dev release of
+    ``TESTED_MIN`` (``0.5.23rc0``, ``0.5.23.dev3``) precedes it and is outside; post releases and local versions
+    (``0.5.23.post1``, ``0.5.23+cu128``) are inside, and ``0.5.24rc1`` outside."""
+    try:
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # (SGLang depends on packaging: a fallback for environments without it)
+        try:
+            release = parse_version(version)
+        except ValueError:
+            return False
+        head = re.match(r"\s*v?\d+(?:\.\d+)*", version)
+        rest = version[head.end():].split("+")[0].lower() if head else ""
+        before = bool(re.match(r"[-_.]?(a|b|c|rc|alpha|beta|pre|preview|dev)", rest))
+        return TESTED_MIN <= release < TESTED_MAX_EXCLUSIVE and not (before and release[:3] == TESTED_MIN)
+    try:  # (``<X`` excludes X's own pre-releases: ``0.5.24rc1`` is the next release's code)
+        return SpecifierSet(f">={_fmt(TESTED_MIN)},<{_fmt(TESTED_MAX_EXCLUSIVE)}").contains(Version(version),
+                                                                                           prereleases=True)
+    except InvalidVersion:
+        return False
+
+
 def _fmt(v: tuple[int, ...]) -> str:
     return ".".join(map(str, v))
 
@@ -58,10 +82,7 @@ def check_version(version: str | None = None, env: Mapping[str, str] | None = No
     v = version if version is not None else installed_version()
     if v is None:
         raise UntestedSGLang("shadowd: the sglang package is not installed in this environment")
-    try:
-        ok = TESTED_MIN <= parse_version(v) < TESTED_MAX_EXCLUSIVE
-    except ValueError:
-        ok = False
+    ok = _in_range(v)
     if ok:
         return v
     if e.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes"):

@@ -2,7 +2,9 @@
 
 An AROUND hook on ``SchedulerMetricsReporter.update_spec_metrics(bs, num_correct_drafts,
 num_accept_tokens, ...)`` — the call SGLang makes once per verify step — adds the step to the
-counters of the mode in effect (off / validate / on, kill switch applied). ``accept length`` =
+counters of the mode in effect (off / validate / on, kill switch applied; ``on`` only while the candidate is
+served: an on-mode step after a fallback, or with the candidate disabled, serves SGLang's kernel and counts as
+``validate``, as while the promotion gate holds). ``accept length`` =
 accepted tokens / request-steps, the same figure SGLang logs as ``accept len``; tokens per step
 (accepted tokens per verify pass of the batch) too. The counters ride in every wire batch's
 ``producer_stats`` under :data:`STAT_KEYS` as far as the collector's wire knows those keys, and are
@@ -38,6 +40,8 @@ class SpecCounters:
     def record(self, bs: int, num_accept_tokens: int) -> None:
         rt = self._runtime or get_runtime()
         m = rt.mode
+        if m == "on" and (rt.fallback or rt.disabled):  # SGLang's kernel is served: no on-mode step
+            m = "validate"
         self.counts[f"spec_accept_tokens_{m}"] += int(num_accept_tokens)
         self.counts[f"spec_req_steps_{m}"] += int(bs)
         self.counts[f"spec_passes_{m}"] += 1

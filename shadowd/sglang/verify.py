@@ -7,7 +7,9 @@ caller's exact arguments):
   DFLASH/DSPARK draft runners also run in verify mode);
 * absorbed MLA shapes (``qk_head_dim`` 576, ``v_head_dim`` 512, one latent KV head), no KV
   scales (FP8 KV), no sinks / score_mod / aux tensors / logit cap / sliding window / DCP / DLLM,
-  decoder self-attention (causal), K/V given (not read back), q in bf16/fp16/fp32 matching the cache;
+  decoder self-attention (causal), K/V given (not read back), q in bf16/fp16/fp32 and the draft k and the
+  layer's KV cache in q's dtype (an fp8 cache without KV scales — ``--kv-cache-dtype fp8_e4m3`` — is SGLang's: its
+  kernel rounds q to fp8 for the dot, and the candidate takes a cache in q's dtype only);
 * the effective mode (kill switch applied) is not ``off``.
 
 For a shadowed call the hook first writes the draft K/V into the cache exactly as SGLang does
@@ -49,13 +51,24 @@ log = logging.getLogger("shadowd.sglang")
 TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 SITE_NAME = "sglang.mla_tree_verify"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: the pass-through reasons of every deployment (prefill, decode, the draft runner, mode off): never logged
+_COMMON = frozenset(("not target verify", "draft runner", "mode off"))
 
 
 def ineligible(backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, sinks: Any = None,
                score_mod: Any = None, aux_tensors: Any = None) -> str | None:
     """Why this ``forward_extend`` call is not shadowed (None: it is)."""
     return (_step_reason(backend, forward_batch) or _layer_reason(backend, layer)
-            or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors))
+            or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors)
+            or _cache_reason(q, k, backend.token_to_kv_pool.get_key_buffer(layer.layer_id)))
+
+
+def _cache_reason(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor) -> str | None:
+    """What excludes this call for the layer's KV cache: one in another dtype than q (fp8 KV cache), or a draft k
+    in another dtype than q."""
+    if kv_buffer.dtype != q.dtype or k.dtype != q.dtype:
+        return "KV cache dtype differs from q"
+    return None
 
 
 def _step_reason(backend: Any, forward_batch: Any) -> str | None:
@@ -142,9 +155,17 @@ class VerifyShadow:
         if why is None:
             why = (_step_reason(backend, forward_batch) or self._layer_reason(backend, layer)
                    or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors))
+        kv_buffer = None
+        if why is None:
+            kv_buffer = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            why = _cache_reason(q, k, kv_buffer)
         if why is not None:
             self.passed += 1
-            self.reasons[why] = self.reasons.get(why, 0) + 1
+            seen = self.reasons.get(why, 0)
+            self.reasons[why] = seen + 1
+            if not seen and why not in _COMMON:  # a target-verify call of the target model: say why, once per reason
+                log.warning("shadowd: target-verify calls not shadowed (served by SGLang, untouched): %s (first seen "
+                            "at layer %s; counted, said once)", why, getattr(layer, "layer_id", "?"))
             return original(backend, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors,
                             **extra)
         self.shadowed += 1
@@ -155,7 +176,6 @@ class VerifyShadow:
         heads = int(layer.tp_q_head_num)
         call = VerifyCall(original, backend, layer, forward_batch, heads, float(layer.scaling),
                           int(md.max_extend_len))
-        kv_buffer = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
         layer_id = int(layer.layer_id)
         bucket = self._bucket(q, heads, forward_batch, md, site, layer_id)
         out = site(call, q, k, v, kv_buffer, md.qo_indptr, md.kv_indptr, md.kv_indices, md.custom_mask,

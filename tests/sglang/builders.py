@@ -51,7 +51,7 @@ def tree_mask(prefix: list[int], t: int, g: torch.Generator) -> tuple[torch.Tens
 
 def make_case(tb: Any, *, layers: int = 3, heads: int = 2, prefix: tuple[int, ...] = (7, 13), draft: int = 4,
               slots: int = 64, seed: int = 0, mode: str = "TARGET_VERIFY", causal: bool = False,
-              draft_runner: bool = False) -> VerifyCase:
+              draft_runner: bool = False, cache_dtype: torch.dtype = torch.float32) -> VerifyCase:
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -59,10 +59,10 @@ def make_case(tb: Any, *, layers: int = 3, heads: int = 2, prefix: tuple[int, ..
 
     g = torch.Generator().manual_seed(seed)
     bs = len(prefix)
-    pool = MLATokenToKVPool(size=slots, page_size=1, dtype=torch.float32, kv_lora_rank=D_V,
+    pool = MLATokenToKVPool(size=slots, page_size=1, dtype=cache_dtype, kv_lora_rank=D_V,
                             qk_rope_head_dim=D_QK - D_V, layer_num=layers, device="cpu", enable_memory_saver=False)
     for i in range(layers):
-        pool.get_key_buffer(i)[1:] = torch.randn(slots, 1, D_QK, generator=g) * 0.5
+        pool.get_key_buffer(i)[1:] = (torch.randn(slots, 1, D_QK, generator=g) * 0.5).to(cache_dtype)
     used = torch.randperm(slots - bs * draft, generator=g)[: sum(prefix)] + 1  # scattered prefix slots
     free = sorted(set(range(1, slots + 1)) - set(used.tolist()))
     kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int64)

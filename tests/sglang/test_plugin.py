@@ -293,3 +293,90 @@ def test_a_custom_candidate_without_an_error_flag_parameter_is_not_given_one() -
         return q
 
     assert _takes(older, "error_flag") and not _takes(older, "nonfinite_flag")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16-cache", "fp8-cache"])
+def test_a_cache_in_another_dtype_than_q_is_passed_through(sgl: Any, fresh_plugins: Any,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           cache_dtype: torch.dtype) -> None:
+    """``--kv-cache-dtype fp8_e4m3`` without KV scales (``layer.k_scale`` None): SGLang's Triton kernel reads the fp8
+    cache and rounds q to fp8 for the dot; the candidate takes a cache in q's dtype only (``tree_verify``: bf16, an
+    ArgumentError on anything else, which disabled the candidate for the process and made the run NOT_READY for good).
+    Such a call is no like-for-like comparison: it is SGLang's, untouched, and the reason counted."""
+    import shadowd.sglang.plugin as plugin
+
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    original = sgl.TritonAttnBackend.__dict__["forward_extend"].__wrapped__
+    calls: list[tuple[Any, ...]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs) if cache_dtype != torch.float8_e4m3fn else args[1][:, :1024] * 0
+
+    from sglang.srt.runtime_context import get_parallel
+
+    case = make_case(sgl, layers=2, cache_dtype=cache_dtype)
+    v = plugin.state().verify
+    with get_parallel().override(dcp_enabled=False):
+        for layer, q, k in zip(case.layers, case.q, case.k, strict=True):
+            v(recording, case.backend, q, k, k[..., :512], layer, case.forward_batch)
+    assert samples == []
+    assert v.shadowed == 0 and v.reasons == {"KV cache dtype differs from q": 2}, v.reasons
+    # SGLang's own call, with the cache write left to it (save_kv_cache=True)
+    assert len(calls) == 2 and all(c[6] is True for c in calls)
+    if cache_dtype == torch.float16:  # (the Triton interpreter takes fp16, not fp8): the same result as plain SGLang
+        ref = make_case(sgl, layers=2, cache_dtype=cache_dtype)
+        expected = run_layers(ref, forward_extend=original)
+        got = run_layers(make_case(sgl, layers=2, cache_dtype=cache_dtype))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_target_verify_calls_not_shadowed_say_why_once(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A deployment whose target-verify calls all pass through (KV scales, an fp8 cache, a sliding window, ...) said
+    'plugin active' and then streamed nothing, with no word why (the reasons were only counted in memory). The
+    first call of each such reason is logged; prefill, decode, the draft runner and mode off (the common pass-through)
+    are not."""
+    import logging
+
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    with caplog.at_level(logging.INFO, logger="shadowd.sglang"):
+        run_layers(make_case(sgl, mode="EXTEND"))
+        run_layers(make_case(sgl, draft_runner=True))
+        assert [r for r in caplog.records if "not shadowed" in r.getMessage()] == []
+        for _ in range(2):
+            run_layers(make_case(sgl, cache_dtype=torch.float16))
+    said = [r for r in caplog.records if "not shadowed" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "KV cache dtype differs from q" in said[0].getMessage() and "layer 0" in said[0].getMessage()
+    assert samples == []
+
+
+def test_spec_on_counts_only_steps_that_serve_the_candidate(sgl: Any, fresh_plugins: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On mode after a fallback (or with the candidate disabled) serves SGLang's kernel: those steps' accept length
+    is the baseline's, and was counted as 'on' — diluting the on-mode figure exactly when the candidate misbehaved."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
+
+    import shadowd.sglang.plugin as plugin
+    from shadowd.hook.runtime import get_runtime
+
+    _runtime("on")
+    _load(fresh_plugins, monkeypatch, "on")
+    rep = SimpleNamespace(spec_num_accept_tokens=0, spec_num_correct_drafts=0, spec_num_forward_ct=0,
+                          spec_num_block_accept_tokens=0, spec_num_cap_tokens=0)
+    SchedulerMetricsReporter.update_spec_metrics(rep, 4, 6, num_accept_tokens=10)  # (SGLang passes it by keyword)
+    case = make_case(sgl, layers=1)
+    get_runtime().fall_back("test")
+    expected = run_layers(make_case(sgl, layers=1), forward_extend=sgl.TritonAttnBackend.__dict__[
+        "forward_extend"].__wrapped__)
+    assert torch.equal(run_layers(case)[0], expected[0])  # what is served now: SGLang's kernel
+    SchedulerMetricsReporter.update_spec_metrics(rep, 2, 1, num_accept_tokens=3)
+    spec = plugin.state().spec
+    assert spec.summary("on") == (2.5, 10.0)
+    assert spec.counts["spec_passes_on"] == 1 and spec.counts["spec_passes_validate"] == 1
+    assert spec.summary("validate") == (1.5, 3.0)

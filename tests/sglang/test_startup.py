@@ -16,7 +16,9 @@ from shadowd.sglang.process import derive_run_key, run_fields
 def test_version_range() -> None:
     assert check_version("0.5.23", env={}) == "0.5.23"
     assert check_version("0.5.23.post1", env={}) == "0.5.23.post1"
-    for bad in ("0.5.22", "0.5.24", "0.6.0", "garbage"):
+    assert check_version("0.5.23+cu128", env={}) == "0.5.23+cu128"
+    # a pre-release of 0.5.23 precedes it: outside >=0.5.23 (it was read as 0.5.23 and accepted)
+    for bad in ("0.5.22", "0.5.24", "0.6.0", "garbage", "0.5.23rc0", "0.5.23.dev3", "0.5.24rc1"):
         with pytest.raises(UntestedSGLang, match="SHADOWD_SGLANG_ALLOW_UNTESTED"):
             check_version(bad, env={})
     assert check_version("0.6.0", env={"SHADOWD_SGLANG_ALLOW_UNTESTED": "1"}) == "0.6.0"
@@ -93,3 +95,14 @@ def test_the_candidate_fingerprint_is_the_library_that_will_be_loaded(tmp_path: 
     two = candidate_fingerprint({"MLA_TREE_VERIFY_LIB": str(lib)})
     assert one.startswith("mla_tree_verify-lib-") and one != two
     assert candidate_fingerprint({}).startswith("mla_tree_verify-src-")
+
+
+def test_version_range_without_packaging(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "packaging.version", None)  # (import fails: the fallback's ordering)
+    for good in ("0.5.23", "0.5.23.post1", "0.5.23+cu128"):
+        assert check_version(good, env={}) == good
+    for bad in ("0.5.22", "0.5.24", "garbage", "0.5.23rc0", "0.5.23.dev3", "0.5.24rc1"):
+        with pytest.raises(UntestedSGLang):
+            check_version(bad, env={})
