@@ -1,7 +1,8 @@
 """The status page's inline SVG charts: the per-layer heatmap and exceedance over time.
 
 Pure functions of the rollup slots that ``routers.status`` reads (dicts with ``t``, ``layer``, ``n``,
-``n_exceed``, ``n_cand_nonfinite``, ``n_error`` and ``max_rel_l2``); no database, no web framework.
+``n_exceed``, ``n_cand_nonfinite``, ``n_base_nonfinite``, ``n_error``, ``n_nan_stat`` and ``max_rel_l2``); no
+database, no web framework.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ def short_time(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%H:%M")
 
 
+def _flagged(s: dict[str, Any]) -> bool:
+    """A slot with a candidate-only non-finite call, a candidate error, or NaN statistics that neither explains
+    (the tolerance criterion's unexplained NaN): drawn dark red whatever its largest rel-L2."""
+    if s.get("n_cand_nonfinite") or s.get("n_error"):
+        return True
+    explained = int(s.get("n_base_nonfinite") or 0)
+    return int(s.get("n_nan_stat") or 0) > explained
+
+
 def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) -> str:
     """Layers (rows) × time (columns); colour = largest per-call rel-L2 relative to the tolerance.
 
@@ -68,7 +78,7 @@ def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) 
     cell: dict[tuple[int, int], float] = defaultdict(float)
     for s in slots:
         key = (row_of[int(s["layer"])], col_of[int(s["t"])])
-        worst = float("inf") if s["n_cand_nonfinite"] or s["n_error"] else float(s["max_rel_l2"]) / tolerance
+        worst = float("inf") if _flagged(s) else float(s["max_rel_l2"] or 0.0) / tolerance
         cell[key] = max(cell[key], worst)
     left, top, plot_w = 46, 8, 900
     cw = plot_w / len(firsts)
@@ -89,7 +99,8 @@ def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) 
             title = (
                 "no samples"
                 if v is None
-                else ("non-finite or error" if math.isinf(v) else f"max rel-L2 = {v:.3g} × tolerance")
+                else ("non-finite or error, or NaN statistic" if math.isinf(v)
+                      else f"max rel-L2 = {v:.3g} × tolerance")
             )
             out.append(
                 f'<rect x="{left + col * cw:.1f}" y="{y:.1f}" width="{max(cw - 0.5, 0.5):.1f}" '
@@ -110,7 +121,7 @@ def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) 
     out.append(f'<text x="{left}" y="{ly + 24}">tol/256</text>')
     out.append(f'<text x="{left + 8 * 28 + 14}" y="{ly + 24}" text-anchor="middle">tol</text>')
     out.append(
-        f'<text x="{left + 10 * 28 + 14}" y="{ly + 24}">&gt; tol, non-finite or error '
+        f'<text x="{left + 10 * 28 + 14}" y="{ly + 24}">&gt; tol, non-finite or error, or NaN statistic '
         f"(tol = rel-L2 {tolerance:.3g})</text>"
     )
     out.append("</svg>")

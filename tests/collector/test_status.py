@@ -1,4 +1,4 @@
-"""The status page (GET /) and its charts: bounded on runs with many layers."""
+"""The status page (GET /) and its charts: bounded on runs with many layers, honest about NaN statistics."""
 
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ def test_heatmap_of_few_layers_keeps_one_row_each() -> None:
     assert svg.count("<title>layer ") == 61 and "layers " not in svg
 
 
+def test_heatmap_marks_unexplained_nan_statistics() -> None:
+    """A NaN statistic counts as exceeding and fails the tolerance criterion unless a non-finite output explains
+    it: its cell is dark red, not coloured by the finite calls' largest rel-L2."""
+    nan = heatmap_svg([_slot(0, 0, n_nan_stat=1)], 1, 1.6e-2)
+    assert f'fill="{DARK_RED}"><title>layer 0' in nan and "NaN statistic" in nan
+    explained = heatmap_svg([_slot(0, 0, n_nan_stat=1, n_base_nonfinite=1)], 1, 1.6e-2)
+    assert f'fill="{DARK_RED}"><title>layer 0' not in explained
+
+
 def test_status_page_of_a_run_declaring_many_layers(fresh_sqlite, make_client) -> None:
     client = make_client(fresh_sqlite, eval_interval_s=3600, ingest_writer="inline")
     run_id = register(client, run_body(num_layers=20_000))
@@ -44,3 +53,14 @@ def test_status_page_of_a_run_declaring_many_layers(fresh_sqlite, make_client) -
     r = client.get(f"/?run_id={run_id}")
     assert r.status_code == 200
     assert len(r.content) < 5_000_000, f"{len(r.content)} bytes"
+
+
+def test_status_page_shows_a_nan_statistic(fresh_sqlite, make_client) -> None:
+    client = make_client(fresh_sqlite, eval_interval_s=3600, ingest_writer="inline")
+    run_id = register(client, run_body(num_layers=2))
+    b = make_batch(40, num_layers=2, ts0=time.time() - 60)
+    b["samples"]["rel_l2"][0] = float("nan")  # layer 0; outputs finite on both sides
+    assert post_msgpack(client, run_id, b).status_code == 200
+    page = client.get(f"/?run_id={run_id}").text
+    assert re.search(rf'fill="{DARK_RED}"><title>layer 0, [0-9:]+: non-finite or error, or NaN statistic', page)
+    assert f'fill="{DARK_RED}"><title>layer 1' not in page
