@@ -64,3 +64,15 @@ def test_status_page_shows_a_nan_statistic(fresh_sqlite, make_client) -> None:
     page = client.get(f"/?run_id={run_id}").text
     assert re.search(rf'fill="{DARK_RED}"><title>layer 0, [0-9:]+: non-finite or error, or NaN statistic', page)
     assert f'fill="{DARK_RED}"><title>layer 1' not in page
+
+
+def test_run_picker_shows_an_old_run_as_selected(fresh_sqlite, make_client) -> None:
+    """The picker lists the 200 newest runs; the run shown is among its options (selected) even when older, else
+    the form showed the newest run as chosen and "show" jumped to it."""
+    client = make_client(fresh_sqlite, eval_interval_s=3600, ingest_writer="inline")
+    first = register(client, run_body("the-old-one", num_layers=1))
+    for i in range(200):
+        register(client, run_body(f"r{i}", num_layers=1))
+    page = client.get(f"/?run_id={first}").text
+    assert re.search(rf'<option value="{first}" selected>{first} · the-old-one', page)
+    assert page.count(" selected>") == 1

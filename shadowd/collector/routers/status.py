@@ -58,6 +58,8 @@ def load_status(engine: Engine, run_id: int | None, tolerance: float, bucket_s: 
         return data
     run = queries.run_row(engine, run_id)
     data.run = run
+    if all(r["id"] != run["id"] for r in runs):  # an older run than the picker lists: it is the one shown
+        data.runs = [*runs, run]
     data.layers = queries.layer_summary(engine, run["id"])
     data.producers = queries.producers_of(engine, run["id"])
     c = t.timeslots.c
