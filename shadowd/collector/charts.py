@@ -1,7 +1,8 @@
 """The status page's inline SVG charts: the per-layer heatmap and exceedance over time.
 
 Pure functions of the rollup slots that ``routers.status`` reads (dicts with ``t``, ``layer``, ``n``,
-``n_exceed``, ``n_cand_nonfinite``, ``n_error`` and ``max_rel_l2``); no database, no web framework.
+``n_exceed``, ``n_cand_nonfinite``, ``n_base_nonfinite``, ``n_error``, ``n_nan_stat`` and ``max_rel_l2``); no
+database, no web framework.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import math
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["DARK_RED", "EMPTY", "MAX_COLUMNS", "exceedance_svg", "heatmap_svg", "short_time"]
+__all__ = ["DARK_RED", "EMPTY", "MAX_COLUMNS", "MAX_ROWS", "exceedance_svg", "heatmap_svg", "short_time"]
 
 #: most time columns drawn (adjacent rollup time buckets are merged above this)
 MAX_COLUMNS = 120
+#: most layer rows drawn (adjacent layers are merged above this: a run may declare 100 000 layers)
+MAX_ROWS = 128
 #: colour stops over log2(max rel-L2 / tolerance) from -8 to 0: green up to tol/4, yellow at tol/2,
 #: red at tol; above the tolerance, non-finite or failed: DARK_RED
 _STOPS = ((0.0, (237, 247, 237)), (0.75, (129, 199, 132)), (0.875, (255, 213, 79)), (1.0, (229, 57, 53)))
@@ -51,43 +54,60 @@ def short_time(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%H:%M")
 
 
+def _flagged(s: dict[str, Any]) -> bool:
+    """A slot with a candidate-only non-finite call, a candidate error, or NaN statistics that neither explains
+    (the tolerance criterion's unexplained NaN): drawn dark red whatever its largest rel-L2."""
+    if s.get("n_cand_nonfinite") or s.get("n_error"):
+        return True
+    explained = int(s.get("n_base_nonfinite") or 0)
+    return int(s.get("n_nan_stat") or 0) > explained
+
+
 def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) -> str:
-    """Layers (rows) × time (columns); colour = largest per-call rel-L2 relative to the tolerance."""
+    """Layers (rows) × time (columns); colour = largest per-call rel-L2 relative to the tolerance.
+
+    At most MAX_ROWS rows and MAX_COLUMNS columns: adjacent layers (time buckets) share a row (column) above
+    that, and a merged cell shows its worst."""
     firsts, col_of = _columns(slots)
     if not firsts:
         return '<p class="muted">no samples yet</p>'
     layers = sorted({int(s["layer"]) for s in slots} | set(range(num_layers)))
+    per_row = max(1, math.ceil(len(layers) / MAX_ROWS))
+    rows = [(layers[i], layers[min(i + per_row, len(layers)) - 1]) for i in range(0, len(layers), per_row)]
+    row_of = {lay: i // per_row for i, lay in enumerate(layers)}
     cell: dict[tuple[int, int], float] = defaultdict(float)
     for s in slots:
-        key = (int(s["layer"]), col_of[int(s["t"])])
-        worst = float("inf") if s["n_cand_nonfinite"] or s["n_error"] else float(s["max_rel_l2"]) / tolerance
+        key = (row_of[int(s["layer"])], col_of[int(s["t"])])
+        worst = float("inf") if _flagged(s) else float(s["max_rel_l2"] or 0.0) / tolerance
         cell[key] = max(cell[key], worst)
     left, top, plot_w = 46, 8, 900
     cw = plot_w / len(firsts)
-    rh = max(3.0, min(16.0, 420.0 / len(layers)))
-    height = top + rh * len(layers) + 58
+    rh = max(3.0, min(16.0, 420.0 / len(rows)))
+    height = top + rh * len(rows) + 58
     out = [
         f'<svg id="heatmap" role="img" aria-label="per-layer heatmap" xmlns="http://www.w3.org/2000/svg" '
         f'width="{left + plot_w + 10}" height="{height:.0f}">'
     ]
-    for row, layer in enumerate(layers):
+    for row, (first, last) in enumerate(rows):
         y = top + row * rh
-        if len(layers) <= 32 or layer % max(1, len(layers) // 16) == 0:
-            out.append(f'<text x="{left - 6}" y="{y + rh * 0.8:.1f}" text-anchor="end">L{layer}</text>')
+        name = f"layer {first}" if first == last else f"layers {first}–{last}"
+        if len(rows) <= 32 or row % max(1, len(rows) // 16) == 0:
+            out.append(f'<text x="{left - 6}" y="{y + rh * 0.8:.1f}" text-anchor="end">L{first}</text>')
         for col in range(len(firsts)):
-            v = cell.get((layer, col))
+            v = cell.get((row, col))
             fill = EMPTY if v is None else _colour(v)
             title = (
                 "no samples"
                 if v is None
-                else ("non-finite or error" if math.isinf(v) else f"max rel-L2 = {v:.3g} × tolerance")
+                else ("non-finite or error, or NaN statistic" if math.isinf(v)
+                      else f"max rel-L2 = {v:.3g} × tolerance")
             )
             out.append(
                 f'<rect x="{left + col * cw:.1f}" y="{y:.1f}" width="{max(cw - 0.5, 0.5):.1f}" '
-                f'height="{max(rh - 0.5, 0.5):.1f}" fill="{fill}"><title>layer {layer}, '
+                f'height="{max(rh - 0.5, 0.5):.1f}" fill="{fill}"><title>{name}, '
                 f"{short_time(firsts[col])}: {title}</title></rect>"
             )
-    base = top + rh * len(layers)
+    base = top + rh * len(rows)
     out.append(f'<text x="{left}" y="{base + 14:.0f}">{short_time(firsts[0])}</text>')
     out.append(
         f'<text x="{left + plot_w}" y="{base + 14:.0f}" text-anchor="end">{short_time(firsts[-1])} UTC</text>'
@@ -101,7 +121,7 @@ def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) 
     out.append(f'<text x="{left}" y="{ly + 24}">tol/256</text>')
     out.append(f'<text x="{left + 8 * 28 + 14}" y="{ly + 24}" text-anchor="middle">tol</text>')
     out.append(
-        f'<text x="{left + 10 * 28 + 14}" y="{ly + 24}">&gt; tol, non-finite or error '
+        f'<text x="{left + 10 * 28 + 14}" y="{ly + 24}">&gt; tol, non-finite or error, or NaN statistic '
         f"(tol = rel-L2 {tolerance:.3g})</text>"
     )
     out.append("</svg>")

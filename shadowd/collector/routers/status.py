@@ -58,6 +58,8 @@ def load_status(engine: Engine, run_id: int | None, tolerance: float, bucket_s: 
         return data
     run = queries.run_row(engine, run_id)
     data.run = run
+    if all(r["id"] != run["id"] for r in runs):  # an older run than the picker lists: it is the one shown
+        data.runs = [*runs, run]
     data.layers = queries.layer_summary(engine, run["id"])
     data.producers = queries.producers_of(engine, run["id"])
     c = t.timeslots.c
@@ -74,7 +76,8 @@ def load_status(engine: Engine, run_id: int | None, tolerance: float, bucket_s: 
         )
         data.evaluation = dict(ev) if ev is not None else None
         q = select(
-            c.layer, c.t, c.n, c.n_exceed, c.n_cand_nonfinite, c.n_error, c.max_rel_l2, c.sum_rel_l2
+            c.layer, c.t, c.n, c.n_exceed, c.n_cand_nonfinite, c.n_base_nonfinite, c.n_error, c.n_nan_stat,
+            c.max_rel_l2, c.sum_rel_l2,
         ).where(c.run_id == run["id"])
         if run["last_sample_ts"] is not None:
             q = q.where(c.t >= run["last_sample_ts"] - WINDOW_BUCKETS * bucket_s)
