@@ -23,7 +23,7 @@ from shadowd.collector import tables as t
 from shadowd.collector.metrics import CollectorMetrics
 from shadowd.judge.layers import layer_table
 from shadowd.judge.policy import Policy
-from shadowd.judge.verdict import NOT_READY, judge
+from shadowd.judge.verdict import NOT_READY, READY, judge
 
 __all__ = ["Evaluator"]
 
@@ -85,6 +85,10 @@ class Evaluator:
         mismatch or error, or a producer of it disabled its candidate or fell back (``gave_up``), that the
         stored evaluation does not reflect yet, it is evaluated now. That can only demote, never promote,
         so polling still cannot make a candidate READY.
+
+        A stored READY older than the run's last ingest by more than two evaluation intervals (the cadence fell
+        behind: a slow or failing pass) is not served as it is: the run is evaluated now. Re-judging a READY can
+        keep it or demote it, never promote anything.
         """
         prev = self.previous(run_id)
         if prev is None:
@@ -92,6 +96,10 @@ class Evaluator:
         hard = gave_up or (run is not None and (run.get("n_cand_nonfinite") or run.get("n_errors")))
         if hard and prev.get("verdict") != NOT_READY:
             return self.evaluate(run_id, now)
+        if prev.get("verdict") == READY and run is not None and run.get("last_ingest_at") is not None:
+            at = float(prev.get("evaluated_at") or 0.0)
+            if float(run["last_ingest_at"]) > at + 2 * self.interval_s:
+                return self.evaluate(run_id, now)
         return prev
 
     def active_runs(self, now: float) -> list[int]:

@@ -190,3 +190,20 @@ def test_evaluating_unchanged_data_promotes_nothing(tmp_path: Path) -> None:
         assert reports[-1]["verdict"] == "READY"
     finally:
         e.app.state.shadowd.engine.dispose()
+
+
+def test_a_stored_ready_older_than_the_runs_ingest_is_judged_again(env: Env) -> None:
+    """The cadence fell behind (a slow or failing pass): a READY stored before newer traffic is not served as it
+    is — that traffic exceeds everywhere, and GET /readiness says NOT_READY, not the stored READY."""
+    rid = env.run()
+    t = time.time() - 3000 - 8000  # the READY evaluation ends up > 2 evaluation intervals (2 × 3600 s) old
+    env.post(rid, 47_000, 0, t0=t - 4700)
+    for i in range(4):
+        if i:
+            env.post(rid, 600, 47_000 + 600 * (i - 1), dt=1.0, t0=t + 600 * (i - 1))
+        rep = env.evaluator.evaluate(rid, now=t + 600 * i)
+    assert rep["verdict"] == "READY"
+    env.post(rid, 3_000, 48_800, rel_l2=0.1, t0=t + 1800)  # every call beyond tolerance, no evaluation since
+    r = env.client.get("/readiness", params={"run_id": rid})
+    assert r.status_code == 503 and r.json()["verdict"] == "NOT_READY", r.json()["reasons"]
+    assert r.json()["evaluated_at"] > t + 7000, "judged now, not the stored evaluation"
