@@ -137,6 +137,12 @@ class ProcessSetup:
             model = str(getattr(mc, "model_path", "") or "unknown")
             log.warning("shadowd: SGLang plugin active: mode %s, rank %d/%d, %d layers", config.mode, rank, tp_size,
                         layers)
+            nnodes = int(getattr(getattr(model_runner, "server_args", None), "nnodes", 1) or 1)
+            if config.url and nnodes > 1 and not self.env.get("SHADOWD_RUN_KEY"):
+                # the default key is per host (and systemd's INVOCATION_ID per node's unit): each node would
+                # register a run of its own, and every run would wait forever for the other nodes' ranks
+                log.error("shadowd: a %d-node launch without SHADOWD_RUN_KEY: each node registers a run of its own, "
+                          "none of which hears from every rank (set the same SHADOWD_RUN_KEY on every node)", nnodes)
             if config.url:
                 fields = run_fields(derive_run_key(self.env), layers, tp_size, self.sglang_version, model)
                 self._start_streamer(rt, fields)

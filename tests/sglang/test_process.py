@@ -121,3 +121,27 @@ def test_on_mode_behind_a_promotion_gate_serves_the_baseline_until_the_gate_run_
         base_fn(x, w))
     rt.gate.stop(5)
     rt.streamer.close(2.0)
+
+
+def test_a_multi_node_launch_without_a_run_key_is_told_to_set_one(sgl: Any, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import sglang
+
+    from shadowd.sglang import process
+    from shadowd.sglang.spec import SpecCounters
+
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    monkeypatch.setattr(process.ProcessSetup, "_start_streamer", lambda self, rt, fields: None)
+    runner = _runner(0)
+    runner.server_args = SimpleNamespace(nnodes=2)
+    base = {"SHADOWD_MODE": "validate", "SHADOWD_URL": "http://127.0.0.1:9", "SHADOWD_SPOOL_DIR": str(tmp_path)}
+    with caplog.at_level(logging.ERROR, logger="shadowd"):
+        process.ProcessSetup(sglang.__version__, SpecCounters(), env=base).setup(runner)
+    assert "2-node launch without SHADOWD_RUN_KEY" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="shadowd"):
+        process.ProcessSetup(sglang.__version__, SpecCounters(), env={**base, "SHADOWD_RUN_KEY": "k"}).setup(runner)
+    assert "SHADOWD_RUN_KEY" not in caplog.text
