@@ -1,7 +1,8 @@
 """Readiness evaluations on a fixed cadence, stored in the ``evaluations`` table.
 
 A background task of the collector (started in the app's lifespan) evaluates every active
-run every ``eval_interval_s`` seconds: it builds the judge's snapshot from the rollup tables,
+run every ``eval_interval_s`` seconds (a run with nothing ingested since its latest evaluation keeps that
+one: the same evidence, the same verdict, nothing stored again): it builds the judge's snapshot from the rollup tables,
 hands it the run's previous evaluation (which carries the hysteresis streak), stores the
 report, and updates the verdict gauge and the verdict-change counter. ``GET /readiness``
 serves the latest stored evaluation, so polling never promotes a candidate.
@@ -41,6 +42,9 @@ class Evaluator:
         self.metrics = metrics
         self.interval_s = interval_s
         self.active_s = active_hours * 3600.0
+        #: an evaluation this long after a run's last ingest saw everything stored by then (an ingest's transaction
+        #: takes far less): with nothing ingested since, the cadence does not evaluate the run again
+        self.settle_s = 60.0
 
     def previous(self, run_id: int) -> dict[str, Any] | None:
         """The run's latest stored evaluation (its report, with ``evaluation_id``), or None."""
@@ -102,19 +106,32 @@ class Evaluator:
                 return self.evaluate(run_id, now)
         return prev
 
-    def active_runs(self, now: float) -> list[int]:
-        return [r["id"] for r in queries.runs_for_metrics(self.engine, now - self.active_s)]
-
     def evaluate_active(self, now: float | None = None) -> dict[int, str]:
         """One pass over every run with an ingest in the active window: {run id: verdict}."""
         now = time.time() if now is None else now
         out: dict[int, str] = {}
-        for run_id in self.active_runs(now):
+        for run in queries.runs_for_metrics(self.engine, now - self.active_s):
+            run_id = int(run["id"])
             try:
+                prev = self.previous(run_id)
+                if self._unchanged(prev, run):  # the same evidence judges the same: nothing stored again
+                    assert prev is not None
+                    if self.metrics is not None:
+                        self.metrics.set_verdict(run_id, str(run.get("candidate_name", "")), prev["verdict"], False)
+                    out[run_id] = prev["verdict"]
+                    continue
                 out[run_id] = self.evaluate(run_id, now)["verdict"]
             except Exception:
                 log.exception("readiness evaluation of run %s failed; will retry", run_id)
         return out
+
+    def _unchanged(self, prev: dict[str, Any] | None, run: dict[str, Any]) -> bool:
+        """Whether ``prev`` (the run's latest evaluation) already judged everything the run holds, under this
+        policy: made ``settle_s`` after its last ingest. Its verdict then stands: every criterion reads the stored
+        samples (the recent window ends at the newest one), and hysteresis advances only on new samples."""
+        last = run.get("last_ingest_at")
+        return (prev is not None and last is not None and prev.get("policy_hash") == self.policy.identity()
+                and float(prev.get("evaluated_at") or 0.0) >= float(last) + self.settle_s)
 
     def layers(self, run_id: int, now: float | None = None) -> dict[str, Any]:
         """The per-layer readiness table of a run, from its rollups."""

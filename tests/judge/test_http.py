@@ -207,3 +207,30 @@ def test_a_stored_ready_older_than_the_runs_ingest_is_judged_again(env: Env) -> 
     r = env.client.get("/readiness", params={"run_id": rid})
     assert r.status_code == 503 and r.json()["verdict"] == "NOT_READY", r.json()["reasons"]
     assert r.json()["evaluated_at"] > t + 7000, "judged now, not the stored evaluation"
+
+
+def test_the_cadence_does_not_store_the_same_evaluation_again_for_an_idle_run(env: Env) -> None:
+    """A run that stopped sending keeps its latest evaluation (the same evidence judges the same); new traffic is
+    evaluated again. (Before, a finished run was evaluated and stored every interval for a day.)"""
+    from sqlalchemy import func, select
+
+    from shadowd.collector import tables as t
+
+    env.evaluator.settle_s = 0.3
+    rid = env.run()
+    env.post(rid, 200, 0, t0=time.time() - 100)
+
+    def stored() -> int:
+        with env.app.state.shadowd.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(t.evaluations)
+                                    .where(t.evaluations.c.run_id == rid)).scalar_one())
+
+    time.sleep(0.4)
+    assert env.evaluator.evaluate_active() == {rid: "INSUFFICIENT_DATA"} and stored() == 1
+    for _ in range(3):
+        assert env.evaluator.evaluate_active() == {rid: "INSUFFICIENT_DATA"}
+    assert stored() == 1, "nothing new: not evaluated again"
+    assert env.metric("shadowd_readiness_verdict", {"run": str(rid), "candidate": "kdtree-verify",
+                                                    "verdict": "INSUFFICIENT_DATA"}) == 1.0
+    env.post(rid, 200, 200, t0=time.time() - 50)
+    assert env.evaluator.evaluate_active() == {rid: "INSUFFICIENT_DATA"} and stored() == 2, "new traffic is judged"
