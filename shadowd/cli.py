@@ -121,8 +121,8 @@ def listen_socket(host: str, port: int, *,
 @app.command()
 def readiness(
     url: Annotated[str, typer.Option(help="collector base URL", envvar="SHADOWD_URL")] = "http://127.0.0.1:8787",
-    run: Annotated[int | None, typer.Option("--run", help="run id (default: the latest run)")] = None,
-    wait: Annotated[float, typer.Option(help="poll until READY or this many seconds pass")] = 0.0,
+    run: Annotated[int | None, typer.Option("--run", min=1, help="run id (default: the latest run)")] = None,
+    wait: Annotated[float, typer.Option(min=0.0, help="poll until READY or this many seconds pass")] = 0.0,
     token: Annotated[str | None, typer.Option(help="bearer token", envvar="SHADOWD_TOKEN")] = None,
     expect_fingerprint: Annotated[str | None, typer.Option(
         "--expect-fingerprint", help="the candidate build the gate is for: another fingerprint exits 1")] = None,
@@ -133,6 +133,8 @@ def readiness(
     4 request refused (unknown run, bad token). --wait stops early on a NOT_READY that holds for the run."""
     from shadowd.readiness_cli import readiness_command
 
+    if wait != wait or wait == float("inf"):  # (click's range check lets NaN and inf through)
+        raise typer.BadParameter(f"{wait} is not a number of seconds", param_hint="'--wait'")
     _check_url(url)
     raise typer.Exit(readiness_command(url, run, wait, token, expect_fingerprint=expect_fingerprint))
 

@@ -25,6 +25,11 @@ def test_a_bad_command_line_is_not_a_verdict(capsys: pytest.CaptureFixture[str])
     assert main(["no-such-command"]) == EXIT_USAGE
     assert main(["demo", "--fault", "gremlins"]) == EXIT_USAGE
     assert "--fault must be one of" in _err(capsys)
+    # a run id or a wait that cannot be one is a usage error, not "refused" (4) or a zero wait
+    for argv, name in ((["--run", "0"], "--run"), (["--run", "-1"], "--run"), (["--wait", "-5"], "--wait"),
+                       (["--wait", "nan"], "--wait"), (["--wait", "inf"], "--wait")):
+        assert main(["readiness", "--url", "http://127.0.0.1:9", *argv]) == EXIT_USAGE, argv
+        assert name in _err(capsys), argv
 
 
 def test_database_url_and_file_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
