@@ -61,6 +61,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the collector's process, before it runs (Linux): a SIGTERM when the demo dies, however it dies (a SIGKILL
+    runs none of the demo's own clean-up), so no collector outlives it."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _start_collector(db_url: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, SHADOWD_EVAL_INTERVAL_S="2", SHADOWD_TIME_BUCKET_S="5")
     if DEMO_POLICY.exists():
@@ -68,7 +80,8 @@ def _start_collector(db_url: str, port: int, log_path: Path) -> subprocess.Popen
     cmd = [sys.executable, "-m", "shadowd", "serve", "--db", db_url, "--port", str(port), "--upgrade",
            "--log-level", "warning"]
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
 
 def _wait_up(client: CollectorClient, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> bool:
