@@ -64,13 +64,12 @@ def _free_port() -> int:
 def _die_with_parent() -> None:
     """In the collector's process, before it runs (Linux): a SIGTERM when the demo dies, however it dies (a SIGKILL
     runs none of the demo's own clean-up), so no collector outlives it."""
+    import contextlib
     import ctypes
     import signal
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _start_collector(db_url: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
