@@ -68,7 +68,7 @@ import triton
 from shadowd.hook.device import DeviceState, Slot
 from shadowd.hook.diffstats import empty_stats
 from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats
-from shadowd.hook.site import first_tensor, meta_error
+from shadowd.hook.site import first_tensor, key_of, meta_error
 from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
             # (an output key not seen on a compared call yet — the first call — is checked)
             t0 = first_tensor(args)
-            want = site.out_metas.get(None if t0 is None else (t0.shape[1:], t0.dtype))  # (out_key's key)
+            want = site.out_metas.get(key_of(t0))
             if want is not None and not rt.spot_checked(rt.step) and site.check_step != rt.step:
                 word = _flag_seen(site)
                 if word:  # raised by an earlier unchecked call: no candidate from here on

@@ -47,8 +47,8 @@ from shadowd.hook.copies import clone_many
 from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "first_tensor", "max_abs_chunked",
-           "meta_error", "out_key"]
+__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "first_tensor", "key_of",
+           "max_abs_chunked", "meta_error", "out_key"]
 
 log = logging.getLogger("shadowd.hook")
 
@@ -147,7 +147,11 @@ def first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
 def out_key(args: tuple[Any, ...]) -> Any:
     """What the expected output's dtype, device and trailing shape are keyed by: the first tensor argument's
     trailing shape and dtype (SGLang's verify: q's heads and width)."""
-    t0 = first_tensor(args)
+    return key_of(first_tensor(args))
+
+
+def key_of(t0: torch.Tensor | None) -> Any:
+    """:func:`out_key` of a call whose first tensor argument is ``t0`` (already found)."""
     return None if t0 is None else (t0.shape[1:], t0.dtype)
 
 
@@ -287,15 +291,16 @@ class ShadowSite:
         step = rt.step
         blocked = rt.disabled or rt.fallback
         if code == 2 and not blocked and rt.config.covered(b.draft_tokens, b.prefix_len):
-            key = out_key(args)
-            if not rt.spot_checked(step) and key in self.out_metas:
+            t0 = first_tensor(args)
+            want = self.out_metas.get(key_of(t0))
+            if want is not None and not rt.spot_checked(step):
                 versions = [(t, t._version) for t in _tensors(args, kwargs)]
                 out, err = self._isolated("candidate", self.candidate, *args, **kwargs)
                 if err is None:
                     # between spot checks the baseline is not run, but much of what is wrong with an output is
                     # recognisable on its own: never serve it (CPU path, no device sync)
-                    found, ierr = self._isolated("candidate output", self.unchecked_error, out, args, b, versions,
-                                                 False, key)
+                    found, ierr = self._isolated("candidate output", self.unchecked_error, out, t0, want, b,
+                                                 versions)
                     err = ierr or found
                 if err is None:
                     return out
@@ -326,17 +331,17 @@ class ShadowSite:
             owner = self
         return owner is self
 
-    def unchecked_error(self, out: Any, args: tuple[Any, ...], b: Bucket, versions: list[tuple[torch.Tensor, int]],
-                        device: bool = False, key: Any = None) -> str | None:
-        """On mode, a call served without the baseline: what is wrong with the candidate's run that shows without
-        one — an input it wrote in place, an output that is no tensor or unlike the baseline's for the same key
-        (dtype, device, trailing shape, rows: :attr:`out_metas`), a NaN / Inf in a real row, a raised error word.
-        ``device``: the CUDA path, which reads no values here (that would synchronise; it has its own words);
-        ``key``: :func:`out_key` of ``args`` when the caller has it."""
+    def unchecked_error(self, out: Any, t0: torch.Tensor | None, want: tuple[Any, ...] | None, b: Bucket,
+                        versions: list[tuple[torch.Tensor, int]]) -> str | None:
+        """On mode on the CPU path, a call served without the baseline: what is wrong with the candidate's run that
+        shows without one — an input it wrote in place, an output that is no tensor or unlike the baseline's for the
+        same key (``want``, from :attr:`out_metas`; ``t0``: the first tensor argument: :func:`meta_error`), a NaN /
+        Inf in a real row, a raised error word. (The CUDA path reads no values: it checks :func:`meta_error` alone
+        and has its own words.)"""
         if any(t._version != v for t, v in versions):
             return "input_modified"
-        wrong = meta_error(out, first_tensor(args), self.out_metas.get(out_key(args) if key is None else key))
-        if wrong is not None or device:
+        wrong = meta_error(out, t0, want)
+        if wrong is not None:
             return wrong
         valid = b.valid_rows if isinstance(b.valid_rows, int) and out.dim() else None
         if not bool(torch.isfinite(out if valid is None else out[:valid]).all()):  # (padded rows: not served)
