@@ -18,6 +18,13 @@ A batch is a mapping::
 
 It travels as msgpack (``application/msgpack``, what the hook sends) or JSON.
 
+**Stats-only batches.** A batch whose ``samples`` is ``{}`` (or whose columns are all empty) carries only
+``producer_stats`` / ``producer_notes``: an idle producer's figures that changed since its last batch (samples it
+dropped while the collector was away, reported after the traffic stopped). It takes a seq like any batch (the
+producer's sequence has no gap; a replay is a duplicate) and adds nothing to the run's samples or rollups. The
+collector files the figures under the rank of the producer's earlier samples, so a producer it has not heard from
+yet gets a 422 naming ``producer``. A batch with neither samples nor figures is refused as before.
+
 **Packed columns.** In msgpack, a numeric column may also travel *packed*: one ``bin`` value
 holding the n entries as little-endian int64 (``int`` columns) or float64 (``float`` columns),
 and ``hist`` as n × HIST_BINS little-endian int64. A packed float column says "missing" with

@@ -36,14 +36,19 @@ NO_TOKEN_WARNING = (
 )
 
 
-async def _retention_loop(state: AppState) -> None:
+async def _retention_loop(state: AppState, evaluator: Evaluator) -> None:
     s = state.settings
     while True:
         await asyncio.sleep(s.retention_interval_s)
         try:
-            n = await run_in_threadpool(state.store.prune_samples, time.time() - s.retention_hours * 3600.0)
+            older_than = time.time() - s.retention_hours * 3600.0
+            n = await run_in_threadpool(state.store.prune_samples, older_than)
             if n:
                 log.info("retention: deleted %d raw samples older than %.1f h", n, s.retention_hours)
+            n = await run_in_threadpool(evaluator.prune, older_than)
+            if n:
+                log.info("retention: deleted %d stored evaluations older than %.1f h (kept: each run's latest and "
+                         "its verdict changes)", n, s.retention_hours)
         except Exception:
             log.exception("retention pass failed; will retry")
 
@@ -105,7 +110,7 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
                              settings.ingest_writer_processes).start)
         tasks = []
         if settings.retention_hours > 0:
-            tasks.append(asyncio.create_task(_retention_loop(state)))
+            tasks.append(asyncio.create_task(_retention_loop(state, evaluator)))
         tasks.append(asyncio.create_task(evaluator.run_forever()))
         try:
             yield

@@ -262,6 +262,11 @@ def _producer_notes(raw: Any) -> dict[str, str]:
     return {k: v for k, v in notes.items() if v}
 
 
+def _empty(col: Column) -> list[Any] | bytes:
+    # a stats-only batch's column: no entries, in the packed form where there is one (typed as the column)
+    return [] if col.kind == "str" else b""
+
+
 def parse_batch(body: Any) -> ValidBatch:
     """Validate a decoded batch (a mapping) and return its columns."""
     if not isinstance(body, Mapping):
@@ -286,9 +291,12 @@ def parse_batch(body: Any) -> ValidBatch:
     for name in raw:
         if name not in _BY_NAME:
             raise BadBatch(f"samples.{name}", "unknown column")
+    # a stats-only batch (wire: an idle producer reporting figures that changed since its last batch): no
+    # columns, or only empty ones, and producer figures or notes to store
+    stats_only = all(isinstance(v, (list, bytes)) and not v for v in raw.values()) and bool(stats or notes)
     lengths: dict[str, int] = {}
     for col in COLUMNS:
-        values = raw.get(col.name)
+        values = raw.get(col.name, _empty(col) if stats_only else None)
         if values is None:
             if col.required:
                 raise BadBatch(f"samples.{col.name}", "missing required column")
@@ -308,14 +316,16 @@ def parse_batch(body: Any) -> ValidBatch:
     for name, k in lengths.items():
         if k != n:
             raise BadBatch(f"samples.{name}", f"has {k} entries, the other columns {n}")
-    if not n:
-        raise BadBatch("samples", "batch holds no samples")
+    if not n and not stats_only:
+        raise BadBatch("samples", "batch holds no samples (a batch without samples must carry producer_stats or "
+                                  "producer_notes)")
+    n = n or 0
     if n > MAX_SAMPLES:
         raise BadBatch("samples", f"{n} samples, at most {MAX_SAMPLES} per batch")
 
     cols: dict[str, Any] = {}
     for col in COLUMNS:
-        values = raw.get(col.name)
+        values = raw.get(col.name, _empty(col) if stats_only else None)
         if values is None:
             continue
         if col.name == "hist":

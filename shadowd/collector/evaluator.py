@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, func, insert, select
 from starlette.concurrency import run_in_threadpool
 
 from shadowd.collector import queries
@@ -58,6 +58,20 @@ class Evaluator:
         report: dict[str, Any] = json.loads(row[1])
         report["evaluation_id"] = int(row[0])
         return report
+
+    def prune(self, older_than: float) -> int:
+        """Retention: delete the evaluations made before ``older_than`` (unix seconds), except each run's latest
+        (what ``GET /readiness`` serves and the next evaluation continues from) and those whose verdict differs from
+        the run's evaluation before (its verdict changes stay on record). Returns how many were deleted."""
+        e = t.evaluations.c
+        w = select(
+            e.id, e.at, e.verdict,
+            func.lag(e.verdict).over(partition_by=e.run_id, order_by=(e.at, e.id)).label("before"),
+            func.row_number().over(partition_by=e.run_id, order_by=(e.at.desc(), e.id.desc())).label("newest"),
+        ).subquery()
+        doomed = select(w.c.id).where(w.c.at < older_than, w.c.newest > 1, w.c.before == w.c.verdict)
+        with self.engine.begin() as conn:
+            return int(conn.execute(t.evaluations.delete().where(e.id.in_(doomed))).rowcount or 0)
 
     def evaluate(self, run_id: int, now: float | None = None) -> dict[str, Any]:
         """Evaluate run ``run_id`` at ``now`` (unix seconds), store and export the report."""

@@ -29,7 +29,8 @@ class CollectorSettings(BaseSettings):
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="largest request body (413 above)")
     auto_upgrade: bool = Field(False, description="apply pending migrations at start instead of refusing")
     retention_hours: float = Field(
-        168.0, ge=0, description="raw samples older than this are deleted (rollups kept); 0 keeps forever"
+        168.0, ge=0, description="raw samples and stored evaluations older than this are deleted (rollups, each "
+        "run's latest evaluation and its verdict changes kept); 0 keeps forever"
     )
     retention_interval_s: float = Field(300.0, gt=0, description="how often retention runs")
     time_bucket_s: int = Field(60, ge=1, description="width of the per-time rollup buckets")

@@ -72,7 +72,8 @@ class WriteJob:
     #: the samples' values by column (see :func:`shadowd.collector.sample_rows.sample_values`; only layer and
     #: rank without raw samples)
     cols: dict[str, Any]
-    deltas: Deltas
+    #: what the samples add to the rollups (None: a stats-only batch, which holds no samples)
+    deltas: Deltas | None
     producer_stats: dict[str, int]
     now: float
     #: the producer's notes (``shadowd.wire.PRODUCER_NOTES``): reasons, kept as first reported
@@ -222,6 +223,8 @@ class Store:
         if out.duplicate:
             return IngestResult(run_id, 0, True, mode_override=out.mode_override)
         d = job.deltas
+        if d is None:  # a stats-only batch: the producer's figures, no samples
+            return IngestResult(run_id, 0, False, gap=out.gap, mode_override=out.mode_override)
         return IngestResult(run_id, b.n, False, int(d.exceeded.sum()), d.run["n_cand_nonfinite"], d, out.gap,
                             out.mode_override)
 
@@ -230,6 +233,9 @@ class Store:
         SQLite, the samples' INSERT and rows — unless the job is shipped to a writer process (``ship``):
         a pipe moves numpy columns far more cheaply than Python objects, and building the rows there costs
         the writer no more than taking them apart would."""
+        if b.n == 0:  # a stats-only batch (shadowd.wire): nothing for the rollups or the samples table
+            return WriteJob(run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n=0, cols={}, deltas=None,
+                            producer_stats=b.producer_stats, now=time.time(), producer_notes=b.producer_notes)
         d = compute_deltas(run_id, b, self.policy, self.time_bucket_s)
         cols = (sample_values(b.cols, d.exceeded, b.stored_hist) if self.store_samples
                 else {"layer": b.cols["layer"], "rank": b.cols["rank"]})
@@ -285,13 +291,15 @@ class Store:
             finally:
                 cur.close()
 
-    def _write(self, cur: Any, job: WriteJob, q: dict[str, str], run_id: int, now: float, d: Deltas
+    def _write(self, cur: Any, job: WriteJob, q: dict[str, str], run_id: int, now: float, d: Deltas | None
                ) -> WriteOutcome:
         cur.execute(q["run"], (run_id,))
         run = cur.fetchone()
         if run is None:
             raise UnknownRun(run_id)
         num_layers, tp_size, run_policy, mode_override = run
+        if d is None:
+            return self._write_stats_only(cur, job, q, mode_override)
         layer, rank = job.cols["layer"], job.cols["rank"]
         if (bad := layer >= num_layers).any():
             i = int(np.flatnonzero(bad)[0])
@@ -301,18 +309,9 @@ class Store:
             raise BadBatch(f"samples.rank[{i}]", f"{rank[i]} is not below the run's tp_size {tp_size}")
 
         r = d.run
-        with self._storing("seq"):  # the batch's row: its producer, seq, size and newest time
-            cur.execute(q["claim"], (run_id, job.producer, job.seq, job.digest, job.n, now, r["max_ts"]))
-        claimed = cur.fetchone()
-        if claimed is None:
-            cur.execute(q["digest"], (run_id, job.producer, job.seq))
-            stored = cur.fetchone()[0]
-            if stored != job.digest:
-                if not stored.startswith(DIGEST_PREFIX):
-                    return WriteOutcome(False, mode_override=mode_override, legacy_digest=stored)
-                raise Conflict("seq", f"producer {job.producer} already sent batch {job.seq} with other content")
-            cur.execute(q["duplicate"], (run_id,))
-            return WriteOutcome(True, mode_override=mode_override)
+        claimed, seen = self._claim(cur, job, q, r["max_ts"], mode_override)
+        if seen is not None:
+            return seen
 
         with self._storing("samples"):  # the samples, and the rollups and run counters they add to
             if self.store_samples:
@@ -336,6 +335,42 @@ class Store:
             gap = self._record_producer(cur, job, int(rank[0]))
         return WriteOutcome(False, gap=gap, mode_override=mode_override)
 
+    def _claim(self, cur: Any, job: WriteJob, q: dict[str, str], max_ts: float, mode_override: str | None
+               ) -> tuple[Any, WriteOutcome | None]:
+        """The batch's row (its producer, seq, size and newest time): (the new row's id, None), or (None, the
+        outcome) when the producer already sent this seq — a duplicate, or a conflict raised."""
+        run_id = job.run_id
+        with self._storing("seq"):
+            cur.execute(q["claim"], (run_id, job.producer, job.seq, job.digest, job.n, job.now, max_ts))
+        claimed = cur.fetchone()
+        if claimed is not None:
+            return claimed, None
+        cur.execute(q["digest"], (run_id, job.producer, job.seq))
+        stored = cur.fetchone()[0]
+        if stored != job.digest:
+            if not stored.startswith(DIGEST_PREFIX):
+                return None, WriteOutcome(False, mode_override=mode_override, legacy_digest=stored)
+            raise Conflict("seq", f"producer {job.producer} already sent batch {job.seq} with other content")
+        cur.execute(q["duplicate"], (run_id,))
+        return None, WriteOutcome(True, mode_override=mode_override)
+
+    def _write_stats_only(self, cur: Any, job: WriteJob, q: dict[str, str], mode_override: str | None
+                          ) -> WriteOutcome:
+        """A batch without samples: its seq is claimed (so the producer's sequence has no gap and a replay is a
+        duplicate) and its figures go to the producer's row, under the rank its samples named before."""
+        _, seen = self._claim(cur, job, q, job.now, mode_override)  # (retention: its time is its arrival)
+        if seen is not None:
+            return seen
+        cur.execute(q["producer_rank"], (job.run_id, job.producer))
+        row = cur.fetchone()
+        if row is None:  # (raised inside the transaction: the claim above is rolled back with it)
+            raise BadBatch("producer", f"{job.producer!r} has sent this run no samples yet: a batch without "
+                                       "samples has no rank to report its figures under")
+        cur.execute(q["batch_only"], (job.run_id,))
+        with self._storing("producer_stats"):
+            gap = self._record_producer(cur, job, int(row[0]))
+        return WriteOutcome(False, gap=gap, mode_override=mode_override)
+
     def _hot_sql(self) -> dict[str, str]:
         sql = self._sql_cache.get(("hot",))
         if sql is None:
@@ -348,6 +383,8 @@ class Store:
                          "ON CONFLICT (run_id, producer, seq) DO NOTHING RETURNING id",
                 "digest": f"SELECT digest FROM batches WHERE run_id = {m} AND producer = {m} AND seq = {m}",
                 "duplicate": f"UPDATE runs SET n_duplicates = n_duplicates + 1 WHERE id = {m}",
+                "producer_rank": f"SELECT rank FROM producers WHERE run_id = {m} AND producer = {m}",
+                "batch_only": f"UPDATE runs SET n_batches = n_batches + 1 WHERE id = {m}",
                 "run_update": (
                     f"UPDATE runs SET n_samples = n_samples + {m}, n_batches = n_batches + 1, "
                     f"n_errors = n_errors + {m}, n_cand_nonfinite = n_cand_nonfinite + {m}, "

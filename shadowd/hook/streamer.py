@@ -17,7 +17,8 @@
   there (a restarted worker) goes to this run; a batch that can no longer be read (another process of the key
   delivered it) is skipped.
   A batch the spool cannot take is dropped and its samples counted in ``dropped``, which
-  every later batch reports in ``producer_stats``.
+  every later batch reports in ``producer_stats``; an idle producer (traffic stopped before the collector came
+  back) reports it in a stats-only batch (``shadowd.wire``) once the spool is delivered.
 * A 4xx answer (bad batch, conflict, unknown run, too big) is logged and the batch dropped and counted in
   ``rejected``: it is never retried. 401 / 403 (a token the collector does not take: rotated, mistyped) keep
   the batch in the spool instead, for a process restarted with the right token to replay. A batch answered
@@ -78,7 +79,7 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
     Numeric columns are packed (``packed=False``: lists, the same content for the collector).
     """
     cols: dict[str, Any] = {}
-    for col in COLUMNS:
+    for col in COLUMNS if samples else ():  # (none: a stats-only batch, ``samples`` {})
         if col.required:
             vals = [s[col.name] for s in samples]
         else:
@@ -102,6 +103,12 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
     if notes:
         batch["producer_notes"] = notes
     return batch
+
+
+def _health(stats: dict[str, int], notes: dict[str, str]) -> dict[str, Any]:
+    # the figures whose change an idle producer reports (all but the speculative-decoding counters, which move
+    # with every verify step and travel with the next batch of samples)
+    return {**{k: v for k, v in stats.items() if not k.startswith("spec_")}, **notes}
 
 
 class Streamer:
@@ -145,6 +152,10 @@ class Streamer:
         self._last_contact = 0.0
         self._bug_tries = 0  # consecutive 500 answers to the batch at the head of the line
         self._inflight: tuple[int, bytes, int] | None = None  # (seq, body, samples) being posted directly
+        # the health figures (:meth:`_health`) the newest batch posted directly carried: an idle producer whose
+        # figures moved since (drops while the collector was away) reports them in a stats-only batch
+        self._reported: dict[str, Any] | None = None
+        self._encoded: dict[str, Any] | None = None  # ... and those the newest batch encoded carries
         self._forks = _forks  # a forked child (the count moved) makes its own thread and queue on its first submit
         self._accepted = 0  # samples put on the queue (serving thread)
         self._done = 0  # samples taken off it and shipped, spooled or dropped (streamer thread)
@@ -338,8 +349,9 @@ class Streamer:
         return seq
 
     def _encode(self, seq: int, samples: list[dict[str, Any]]) -> bytes:
-        return encode_msgpack(build_batch(self.producer, seq, samples, self.producer_stats(),
-                                          producer_notes=self.notes() if self.notes else None))
+        stats, notes = self.producer_stats(), self.notes() if self.notes else {}
+        self._encoded = _health(stats, notes)
+        return encode_msgpack(build_batch(self.producer, seq, samples, stats, producer_notes=notes))
 
     def _ship(self, samples: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -353,10 +365,26 @@ class Streamer:
                     return
                 self._inflight = None
             if done is not None:
+                # delivered, or refused: a refused stats-only batch (a collector that lost this producer) is
+                # not sent again for the same figures
+                if done or not samples:
+                    self._reported = self._encoded
                 return
         with self._lock:
             if not self.spool.push(self.run_id, self.producer, seq, body, len(samples)):
                 self.spool_dropped += len(samples)
+
+    def _report_idle(self) -> None:
+        """Idle (nothing to send, the spool empty, the collector answering): when the health figures moved since
+        the newest batch posted directly — samples dropped while the collector was away, reported only with a later
+        batch, which an idle producer does not send — ship them in a stats-only batch. At most one per
+        ``poll_interval_s`` without other contact; its answer carries the kill switch like any batch's. Only a
+        producer the collector knows (it has taken samples of it) sends one: figures need the rank of its samples."""
+        if (self.sent == 0 or self.spool.depth() or not self._can_post()
+                or time.monotonic() - self._last_contact < self.poll_interval_s):
+            return
+        if _health(self.producer_stats(), self.notes() if self.notes else {}) != self._reported:
+            self._ship([])
 
     def _poll_mode(self) -> None:
         if (time.monotonic() - self._last_contact < self.poll_interval_s or not self._can_post()):
@@ -380,6 +408,8 @@ class Streamer:
                 samples, from_queue = self._take()
                 if samples:
                     self._ship(samples)
+                else:
+                    self._report_idle()
                 # no answer for poll_interval_s (idle, or every batch rejected): ask for the kill switch
                 self._poll_mode()
             except Exception as e:  # the thread must survive anything; the samples are lost and counted

@@ -91,3 +91,47 @@ def test_a_huge_declared_layer_count_makes_a_bounded_number_of_series(fresh_sqli
     last = {"run": str(run_id), "layer": str(DECLARE_LAYERS_MAX - 1)}
     assert reg.get_sample_value("shadowd_exceeded_calls_total", last) == 0.0
     assert reg.get_sample_value("shadowd_exceeded_calls_total", {**last, "layer": str(DECLARE_LAYERS_MAX)}) is None
+
+
+def _stats_only(producer: str, seq: int, **stats: int) -> dict[str, object]:
+    return {"producer": producer, "seq": seq, "samples": {}, "producer_stats": stats}
+
+
+def test_a_stats_only_batch_reports_drops_after_traffic_stopped(db_url, make_client):
+    """A producer whose spool overflowed during an outage reports its drop count with its next batch; when
+    traffic has stopped by the time the collector is back, there is no next batch of samples. The streamer
+    then sends its figures alone: the collector stores them (drops in /metrics, the producer's sequence
+    without a gap) and adds nothing to the run's samples or rollups."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=2))
+    first = {**make_batch(8, rank=1, producer="p"), "producer_stats": {"dropped": 3}}
+    assert post_msgpack(c, run_id, first).status_code == 200
+    before = c.get(f"/v1/runs/{run_id}").json()
+    r = post_msgpack(c, run_id, _stats_only("p", 1, dropped=40, spool_depth=0))
+    assert r.status_code == 200, r.text
+    reg = c.app.state.metrics.registry
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 40.0
+    assert reg.get_sample_value("shadowd_producer_sequence_gaps", {"run": str(run_id), "rank": "1"}) == 0.0
+    after = c.get(f"/v1/runs/{run_id}").json()
+    assert after["samples"] == before["samples"] == 8
+    assert (after["batches"], after["last_ingest_at"]) == (2, before["last_ingest_at"])
+    # replayed (the answer was lost): a duplicate, nothing changes
+    r = post_msgpack(c, run_id, _stats_only("p", 1, dropped=40, spool_depth=0))
+    assert r.status_code == 200 and r.json()["duplicate"] is True
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 40.0
+    assert c.get(f"/v1/runs/{run_id}").json()["duplicate_batches"] == 1
+
+
+def test_a_stats_only_batch_needs_figures_and_a_known_producer(db_url, make_client):
+    """An empty batch without figures is refused as before; figures from a producer the run has never heard
+    of name no rank to report them under, so they are refused (422, naming the producer) and nothing is
+    stored — the producer's later batch of samples with that seq is still taken."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=2))
+    r = post_msgpack(c, run_id, {"producer": "p", "seq": 0, "samples": {}})
+    assert r.status_code == 422 and "samples" in r.text
+    r = post_msgpack(c, run_id, _stats_only("stranger", 0, dropped=5))
+    assert r.status_code == 422 and "producer" in r.text, r.text
+    assert post_msgpack(c, run_id, make_batch(8, rank=1, producer="stranger")).status_code == 200
+    reg = c.app.state.metrics.registry
+    assert reg.get_sample_value("shadowd_producer_sequence_gaps", {"run": str(run_id), "rank": "1"}) == 0.0

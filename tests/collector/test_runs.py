@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from sqlalchemy import create_engine, insert, select
 
 from shadowd.collector import tables as t
 from shadowd.collector.app import create_app
@@ -113,3 +114,41 @@ def test_database_restart_loses_nothing(fresh_pg, make_client):
         r = post_msgpack(c, run_id, make_batch(50, seq=1, step0=100))
     assert r.status_code == 200 and r.json()["duplicate"] is False
     assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 100
+
+
+def test_retention_keeps_each_runs_latest_evaluation_and_its_verdict_changes(db_url, make_client):
+    """The cadence stores an evaluation (the whole report) every interval while a run takes batches: thousands of
+    rows a day. Retention deletes those older than the window, except each run's latest (what /readiness serves
+    and the next evaluation's hysteresis starts from) and the evaluations whose verdict differs from the one
+    before (when the run became READY or NOT_READY stays answerable)."""
+    c = make_client(db_url)
+    a, b = register(c, run_body("a")), register(c, run_body("b"))
+    now = time.time()
+    day = 86400.0
+    history = {a: ["INSUFFICIENT_DATA", "INSUFFICIENT_DATA", "READY", "READY", "READY", "NOT_READY", "NOT_READY"],
+               b: ["INSUFFICIENT_DATA", "INSUFFICIENT_DATA"]}
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            for run_id, verdicts in history.items():
+                for i, v in enumerate(verdicts):  # a day apart, the last ones 2 days old
+                    conn.execute(insert(t.evaluations).values(
+                        run_id=run_id, candidate_fingerprint="c", at=now - (len(verdicts) + 1 - i) * day,
+                        verdict=v, passing=int(v == "READY"), policy_hash="p", report=f'{{"verdict": "{v}"}}'))
+        # one recent evaluation of run a, inside the window: kept whatever it says
+        with engine.begin() as conn:
+            conn.execute(insert(t.evaluations).values(run_id=a, candidate_fingerprint="c", at=now - 60,
+                                                      verdict="NOT_READY", passing=0, policy_hash="p",
+                                                      report='{"verdict": "NOT_READY"}'))
+        evaluator = c.app.state.evaluator
+        assert evaluator.prune(now - day) == 4  # a: the 2nd, 4th, 5th and 7th; b: none (its 2nd is its latest)
+        assert evaluator.prune(now - day) == 0  # nothing twice
+        with engine.connect() as conn:
+            kept = {r: [v for (v,) in conn.execute(select(t.evaluations.c.verdict)
+                                                   .where(t.evaluations.c.run_id == r)
+                                                   .order_by(t.evaluations.c.at))] for r in (a, b)}
+    finally:
+        engine.dispose()
+    assert kept == {a: ["INSUFFICIENT_DATA", "READY", "NOT_READY", "NOT_READY"],
+                    b: ["INSUFFICIENT_DATA", "INSUFFICIENT_DATA"]}
+    assert evaluator.previous(b)["verdict"] == "INSUFFICIENT_DATA"

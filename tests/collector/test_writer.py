@@ -43,6 +43,12 @@ def test_writer_process_stores_what_inline_ingest_stores(tmp_path, make_client):
         r = post_msgpack(c, run_id, bad)
         assert r.status_code == 422 and r.json()["detail"]["field"] == "samples.layer[4]"
         assert c.get(f"/v1/runs/{run_id}").json()["exceeded_calls"] >= 1
+        # a stats-only batch (the refused seq 1 was rolled back: free), and one from a producer never seen
+        figures = {"producer": batch["producer"], "seq": 1, "samples": {}, "producer_stats": {"dropped": 9}}
+        assert post_msgpack(c, run_id, figures).json() == {"run_id": run_id, "accepted": 0, "duplicate": False,
+                                                           "mode_override": None}
+        r = post_msgpack(c, run_id, {**figures, "producer": "stranger"})
+        assert r.status_code == 422 and r.json()["detail"]["field"] == "producer"
     rows = {mode: [{k: v for k, v in r.items() if k != "id"} for r in sample_rows(url)] for mode, url in urls.items()}
     assert len(rows["process"]) == 200 and rows["process"] == rows["inline"]
     roll = {mode: _rollups(url) for mode, url in urls.items()}

@@ -158,6 +158,42 @@ def test_spool_bound_drops_are_counted_and_reported(collector: Collector, tmp_pa
     assert client.get_run(run_id)["samples"] + dropped == 61
 
 
+def _producer_figures(db_path: Path, run_id: int) -> list[tuple[Any, ...]]:
+    con = sqlite3.connect(db_path)
+    try:
+        return con.execute("SELECT dropped, spool_depth, gaps FROM producers WHERE run_id = ?", (run_id,)).fetchall()
+    finally:
+        con.close()
+
+
+def test_drops_reach_the_collector_when_traffic_stopped_before_it_came_back(collector: Collector,
+                                                                            tmp_path: Path) -> None:
+    """The spool overflows during an outage and the traffic stops before the collector is back: no later batch
+    of samples will carry the final drop count, so the idle streamer sends it alone once its spool is delivered.
+    The collector then holds exactly the count the producer has."""
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("idle-drops"))["id"]
+    dead = CollectorClient(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+    spool = Spool(tmp_path / "spool", 8000)  # room for one batch of 10 samples (~5.6 kB)
+    st = Streamer(dead, run_id, spool, flush_interval_s=0.05, batch_max=10, poll_interval_s=0.2).start()
+    for i in range(60):
+        st.submit(sample(i))
+        if i % 10 == 9:
+            time.sleep(0.15)
+    assert wait_for(lambda: st._q.empty() and st.dropped > 0 and spool.depth() > 0)
+    dropped = st.dropped
+    st.client = client  # the collector is back; nothing more is submitted
+    st._retry_at = 0.0
+    # (the dropped batches' seqs are gaps in the sequence the collector saw: it learns of them only now too)
+    assert wait_for(lambda: _producer_figures(collector.db_path, run_id) == [(dropped, 0, dropped // 10)]), \
+        _producer_figures(collector.db_path, run_id)
+    assert st.dropped == dropped and client.get_run(run_id)["samples"] + dropped == 60
+    batches = client.get_run(run_id)["batches"]
+    time.sleep(0.6)  # figures unchanged: no further stats-only batch
+    st.close()
+    assert client.get_run(run_id)["batches"] == batches
+
+
 def test_rejected_batches_are_dropped_not_retried(collector: Collector, tmp_path: Path) -> None:
     client = CollectorClient(collector.url, timeout=2.0)
     run_id = client.register_run(run_body("reject"))["id"]
