@@ -76,3 +76,28 @@ def test_run_picker_shows_an_old_run_as_selected(fresh_sqlite, make_client) -> N
     page = client.get(f"/?run_id={first}").text
     assert re.search(rf'<option value="{first}" selected>{first} · the-old-one', page)
     assert page.count(" selected>") == 1
+
+
+def test_status_page_through_a_database_outage(fresh_sqlite, make_client, monkeypatch) -> None:
+    """The person watching the status page during a database outage gets a page that says so and reloads itself
+    (503, Refresh and Retry-After), not the API's JSON error; the page is back once the database answers."""
+    from sqlalchemy.exc import OperationalError
+
+    from shadowd.collector import queries
+
+    c = make_client(fresh_sqlite)
+    run_id = register(c, run_body())
+    assert post_msgpack(c, run_id, make_batch(8)).status_code == 200
+
+    def down(*_a, **_k):
+        raise OperationalError("SELECT 1", {}, ConnectionError("connection refused"))
+
+    with monkeypatch.context() as m:
+        m.setattr(queries, "list_runs", down)
+        r = c.get("/")
+        assert r.status_code == 503 and r.headers["content-type"].startswith("text/html")
+        assert "The database is unavailable" in r.text and "ConnectionError" in r.text
+        assert r.headers["refresh"] == r.headers["retry-after"] == "5"
+        assert c.get(f"/v1/runs/{run_id}").status_code == 200  # (only the page's read was made to fail)
+    r = c.get("/")
+    assert r.status_code == 200 and "The database is unavailable" not in r.text

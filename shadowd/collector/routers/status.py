@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+import logging
 import math
 import string
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse
 from sqlalchemy import Engine, select
+from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 
 from shadowd import __version__
@@ -32,6 +34,9 @@ __all__ = ["StatusData", "load_status", "render_status", "router"]
 
 router = APIRouter(tags=["status"])
 
+log = logging.getLogger("shadowd.collector")
+#: seconds between reloads of the outage page (and its Retry-After)
+OUTAGE_RELOAD_S = 5
 #: time buckets read back from the run's last sample
 WINDOW_BUCKETS = 720
 
@@ -370,4 +375,14 @@ async def status_page(state: State, run_id: int | None = Query(None, ge=1, le=RO
         body = f'<section><h2>Run {run_id} does not exist</h2><p><a href="/">latest run</a></p></section>'
         page = _template().substitute(title="shadowd status", version=_e(__version__), run_form="", body=body)
         return HTMLResponse(page, status_code=404)
+    except DBAPIError as exc:
+        # a page for the person watching it through an outage (the API's answer is JSON): it says what is wrong
+        # and reloads itself until the database answers again
+        log.warning("database error on the status page: %s", type(exc.orig).__name__)
+        body = (f"<section><h2>The database is unavailable</h2><p>The collector could not read it "
+                f"({_e(type(exc.orig).__name__)}). Nothing is lost: producers spool their samples and deliver them "
+                f"once it is back. This page reloads every {OUTAGE_RELOAD_S} s.</p></section>")
+        page = _template().substitute(title="shadowd status", version=_e(__version__), run_form="", body=body)
+        return HTMLResponse(page, status_code=503,
+                            headers={"Retry-After": str(OUTAGE_RELOAD_S), "Refresh": str(OUTAGE_RELOAD_S)})
     return HTMLResponse(page)
