@@ -147,10 +147,16 @@ def test_a_writer_whose_http_process_is_gone_ends_at_once(fresh_sqlite, make_cli
         answer: list[int] = []
         held = threading.Thread(target=lambda: answer.append(post_msgpack(c, run_id, make_batch(8)).status_code))
         held.start()
-        time.sleep(1.0)
+        # the batch in the writer's hands (registered, then sent; a loaded machine may take seconds to get there:
+        # a fixed sleep closed the pipe first, and the batch then went to a new writer that waited on the lock)
+        deadline = time.monotonic() + 30
+        while not writer._workers[0].pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writer._workers[0].pending, "the batch never reached the writer"
+        time.sleep(0.5)
         proc = writer._workers[0].proc
         writer._workers[0].conn.close()  # what the HTTP process's death does to the pipe
-        proc.join(5)
+        proc.join(20)
         assert not proc.is_alive(), "the writer outlived its HTTP process"
         held.join(10)
         assert answer == [503]
