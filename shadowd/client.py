@@ -13,11 +13,12 @@ Errors are typed so that callers decide once what to do with them:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
 
-from shadowd.wire import MSGPACK
+from shadowd.wire import MSGPACK, SENT_AT_HEADER
 
 __all__ = ["BatchRejected", "CollectorClient", "CollectorError", "CollectorUnavailable"]
 
@@ -113,7 +114,7 @@ class CollectorClient:
     def post_batch(self, run_id: int, body: bytes) -> dict[str, Any]:
         """``POST /v1/runs/{id}/samples`` with a msgpack-encoded wire batch."""
         out: dict[str, Any] = self._json("POST", f"/v1/runs/{run_id}/samples", ok=(200,), content=body,
-                                         headers={"Content-Type": MSGPACK})
+                                         headers={"Content-Type": MSGPACK, SENT_AT_HEADER: f"{time.time():.3f}"})
         return out
 
     def set_mode(self, run_id: int, mode: str | None) -> dict[str, Any]:

@@ -58,6 +58,7 @@ __all__ = [
     "PRODUCER_NOTES",
     "PRODUCER_NOTE_MAX",
     "PRODUCER_STATS",
+    "SENT_AT_HEADER",
     "SPEC_MODES",
     "TS_MAX",
     "Column",
@@ -71,6 +72,10 @@ __all__ = [
 ]
 
 MSGPACK = "application/msgpack"
+#: HTTP header of every batch post: the producer's wall clock (unix seconds) when it sent this attempt. A spooled
+#: batch's samples are legitimately old, but this stamp is new on every attempt, so the collector can tell a
+#: producer whose clock is off (``shadowd_producer_clock_offset_seconds``) from a late delivery.
+SENT_AT_HEADER = "X-Shadowd-Sent-At"
 
 #: log2 histogram of |diff| per call: bin 0 counts exact zeros, bins 1..38 count
 #: |d| with floor(log2|d|) = HIST_EXP_MIN .. HIST_EXP_MAX (clipped at both ends),

@@ -74,6 +74,10 @@ class CollectorMetrics:
                                        ["run"], registry=registry)
         self.evaluations = Counter("shadowd_readiness_evaluations", "Stored readiness evaluations", ["run"],
                                    registry=registry)
+        self.clock_offset = Gauge(
+            "shadowd_producer_clock_offset_seconds",
+            "Collector receive time minus the producer's send stamp of its latest batch (positive: the producer's "
+            "clock is behind, plus the network's time)", ["run", "rank"], registry=registry)
 
     def declare_run(self, run_id: int, num_layers: int) -> None:
         """Make a run's per-run and per-layer event counters at 0 before its first batch (at its registration, and
@@ -96,6 +100,10 @@ class CollectorMetrics:
         for layer in set(layers.tolist()):
             self.exceeded.labels(run, str(layer)).inc(exceeded_by.get(layer, 0))
             self.nonfinite.labels(run, str(layer)).inc(nonfinite_by.get(layer, 0))
+
+    def observe_clock(self, run_id: int, rank: int, offset_s: float) -> None:
+        """A rank's clock offset, from the send stamp of the batch just received (``shadowd.wire.SENT_AT_HEADER``)."""
+        self.clock_offset.labels(str(run_id), str(rank)).set(offset_s)
 
     def set_verdict(self, run_id: int, candidate: str, verdict: str, changed: bool) -> None:
         run = str(run_id)

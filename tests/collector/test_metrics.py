@@ -135,3 +135,23 @@ def test_a_stats_only_batch_needs_figures_and_a_known_producer(db_url, make_clie
     assert post_msgpack(c, run_id, make_batch(8, rank=1, producer="stranger")).status_code == 200
     reg = c.app.state.metrics.registry
     assert reg.get_sample_value("shadowd_producer_sequence_gaps", {"run": str(run_id), "rank": "1"}) == 0.0
+
+
+def test_a_producers_clock_offset_is_exported_per_rank(db_url, make_client):
+    """A producer whose clock is behind stamps its samples in the past, which a spooled batch's samples
+    legitimately are too; the send stamp of each attempt tells them apart. /metrics exports the offset per rank
+    (the ShadowdProducerClockSkew alert reads it); a malformed stamp is refused, naming the header, and nothing of
+    the batch is stored."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=2))
+    behind = {"X-Shadowd-Sent-At": f"{time.time() - 120:.3f}"}
+    assert post_msgpack(c, run_id, make_batch(8, rank=1, producer="p"), **behind).status_code == 200
+    offset = c.app.state.metrics.registry.get_sample_value("shadowd_producer_clock_offset_seconds",
+                                                           {"run": str(run_id), "rank": "1"})
+    assert offset is not None and 119 < offset < 130
+    for bad in ("yesterday", "nan", "-5", "1e300"):
+        r = post_msgpack(c, run_id, make_batch(8, rank=0, producer="q"), **{"X-Shadowd-Sent-At": bad})
+        assert r.status_code == 400 and r.json()["detail"]["field"] == "X-Shadowd-Sent-At", (bad, r.text)
+    assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 8
+    assert c.app.state.metrics.registry.get_sample_value("shadowd_producer_clock_offset_seconds",
+                                                         {"run": str(run_id), "rank": "0"}) is None

@@ -380,3 +380,15 @@ def test_why_the_candidate_was_disabled_reaches_the_collector(collector: Collect
     assert ready["producer_notes"] == [{"rank": 0, "producer": prod["producer"],
                                         "disabled_reason": "candidate modified its inputs", "fallback_reason": None}]
     assert "rank 0: candidate disabled: candidate modified its inputs" in format_report(ready)
+
+
+def test_every_post_carries_its_send_stamp(collector: Collector, tmp_path: Path) -> None:
+    """The hook's client stamps each post with its send time, so the collector exports this rank's clock offset
+    (near 0 here: one machine, one clock)."""
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("stamp"))["id"]
+    client.post_batch(run_id, encode_msgpack(build_batch("p", 0, [sample(0)])))
+    text = httpx.get(f"{collector.url}/metrics", timeout=5.0).text
+    line = next(x for x in text.splitlines() if x.startswith("shadowd_producer_clock_offset_seconds{")
+                and f'run="{run_id}"' in x and 'rank="0"' in x)
+    assert abs(float(line.split()[-1])) < 5.0, line

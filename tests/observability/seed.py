@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from sqlalchemy import insert
 
 from shadowd.collector import tables as t
+from shadowd.wire import SENT_AT_HEADER
 from tests.factories import make_batch, run_body
 
 __all__ = ["EVALUATION_REPORT", "NUM_LAYERS", "feed", "seed_run", "store_evaluation"]
@@ -86,7 +87,9 @@ def seed_run(client: httpx.Client | Any, minutes: int = 40, key: str = "seeded-r
     for i in range(minutes):
         b = _batch(i, start + i * 60, nonfinite=(i == max(0, minutes - 5)), spool=i % 3)
         first = first or b
-        assert client.post(f"/v1/runs/{run_id}/samples", json=b).status_code == 200
+        # (stamped at send time like the hook's posts: the samples are old, the clock is not)
+        sent = {SENT_AT_HEADER: f"{time.time():.3f}"}
+        assert client.post(f"/v1/runs/{run_id}/samples", json=b, headers=sent).status_code == 200
     dup = client.post(f"/v1/runs/{run_id}/samples", json=first)
     assert dup.json()["duplicate"] is True
     bad = client.post(f"/v1/runs/{run_id}/samples", json={"producer": "p-seed", "seq": "x", "samples": {}})
@@ -98,7 +101,9 @@ def feed(client: httpx.Client | Any, run_id: int, seq: int, producer: str = "p-l
     """One more batch of live traffic (a second rank, reporting a spool and drops)."""
     # its 40 steps end now (make_batch stamps step s at ts0 + s · 0.05 s, and this batch's steps start at seq · 40)
     b = _batch(seq, time.time() - 0.05 * 40 * (seq + 1), producer=producer, rank=0, spool=5 + seq, dropped=seq)
-    assert client.post(f"/v1/runs/{run_id}/samples", json=b).status_code == 200
+    # stamped like the hook's client stamps every post (the rank's clock offset)
+    sent = {SENT_AT_HEADER: f"{time.time():.3f}"}
+    assert client.post(f"/v1/runs/{run_id}/samples", json=b, headers=sent).status_code == 200
 
 
 def store_evaluation(app: FastAPI, run_id: int, report: dict[str, Any] | None = None) -> None:

@@ -14,7 +14,7 @@ from shadowd.collector.deps import Authorized, RunId, State, read_body
 from shadowd.collector.errors import ApiError
 from shadowd.collector.schemas import IngestAnswer
 from shadowd.collector.store import IngestResult
-from shadowd.wire import MSGPACK, decode_msgpack
+from shadowd.wire import MSGPACK, SENT_AT_HEADER, TS_MAX, decode_msgpack
 
 __all__ = ["router"]
 
@@ -37,10 +37,24 @@ def _decode(body: bytes, content_type: str) -> object:
     raise ApiError(415, "content-type", f"{content_type!r} is not application/msgpack or application/json")
 
 
+def _sent_at(raw: str | None) -> float | None:
+    # the producer's send stamp (optional; the hook's client always sets it): unix seconds
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not 0.0 <= v <= TS_MAX:  # (NaN fails too)
+        raise ApiError(400, SENT_AT_HEADER, f"must be unix seconds between 0 and {TS_MAX:.0f}, got {raw[:40]!r}")
+    return v
+
+
 @router.post("/{run_id}/samples")
 async def ingest(run_id: RunId, request: Request, state: State) -> IngestAnswer:
     """Store one batch (one transaction). A re-delivered batch is stored once and answered as duplicate."""
     received_at = time.time()
+    sent_at = _sent_at(request.headers.get(SENT_AT_HEADER))
     body = await read_body(request, state.settings.max_body_bytes)
     decoded = _decode(body, request.headers.get("content-type", ""))
 
@@ -60,5 +74,7 @@ async def ingest(run_id: RunId, request: Request, state: State) -> IngestAnswer:
     elif result.deltas is not None:
         c = batch.cols
         m.observe_ingest(run_id, result.accepted, c["layer"], result.deltas.exceeded, c["cand_nonfinite"] > 0)
+    if sent_at is not None and batch.n:  # (a stats-only batch names no rank)
+        m.observe_clock(run_id, int(batch.cols["rank"][0]), received_at - sent_at)
     return IngestAnswer(run_id=run_id, accepted=result.accepted, duplicate=result.duplicate,
                         mode_override=result.mode_override)
