@@ -122,7 +122,8 @@ TS_MAX = 4_102_444_800.0
 
 COLUMNS: tuple[Column, ...] = (
     Column("layer", "int", "layer id (0-based); must be below the run's num_layers", maximum=I32),
-    Column("rank", "int", "tensor-parallel rank; must be below the run's tp_size", maximum=I32),
+    Column("rank", "int", "the worker's rank (TP rank; replica × TP size + TP rank under --dp-size); must be below "
+           "the run's tp_size", maximum=I32),
     Column("step", "int", "verify step id, equal on every rank and layer of one step", maximum=COUNTER_MAX),
     Column("call", "int", "per-producer call counter", maximum=COUNTER_MAX),
     Column("ts", "float", "unix time of the call, seconds (before 2100)", maximum=TS_MAX),

@@ -56,6 +56,7 @@ class RunCreate(_Body):
     run_key: str = Field(min_length=1, max_length=200, description="client-chosen key; same key, same run")
     model: str = _name
     num_layers: int = Field(ge=1, le=100_000, strict=True)  # (strict: "4" and true are not layer counts)
+    # the launch's ranks: TP size, times the replicas of a data-parallel launch (each rank runs every layer)
     tp_size: int = Field(1, ge=1, le=4096, strict=True)
     gpu_name: str = Field("", max_length=200)
     gpu_arch: str = Field("", max_length=50)

@@ -88,14 +88,41 @@ def run_fields(run_key: str, num_layers: int, tp_size: int, sglang_version: str,
     }
 
 
+def _replica(p: Any, model_runner: Any) -> tuple[int, int]:
+    # (replica, replicas) of a --dp-size launch without DP attention: SGLang's data-parallel controller numbers the
+    # replicas (dp_rank; None or unwritten without a controller). With DP attention dp_size is 1 and the attention
+    # groups are already told apart by tp_rank.
+    def read(name: str) -> Any:
+        try:
+            return getattr(p, name) if p is not None else getattr(model_runner, name, None)
+        except Exception:
+            return getattr(model_runner, name, None)
+
+    size, rank = read("dp_size"), read("dp_rank")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 1:
+        return 0, 1
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+        return 0, 1
+    return rank, size
+
+
 def _parallel(model_runner: Any) -> tuple[int, int]:
+    """(rank, ranks): this worker's place among the workers of the launch that each run every layer's verify on a
+    shard of their own — its TP rank, and across the replicas of ``--dp-size N`` (each a TP group of its own, with
+    TP ranks counted from 0) replica × tp_size + TP rank, so that no two live workers of a launch report under
+    one rank (a rank's producer figures are its latest producer's; a second worker under the same rank would hide
+    the first's). Pipeline stages keep their TP rank: each runs other layers, and per-layer coverage stays apart."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
-        p = get_parallel()
-        return int(p.tp_rank), int(p.tp_size)
+        p: Any = get_parallel()
+        tp_rank, tp_size = int(p.tp_rank), int(p.tp_size)
     except Exception:
-        return int(getattr(model_runner, "tp_rank", 0) or 0), int(getattr(model_runner, "tp_size", 1) or 1)
+        p = None
+        tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
+        tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
+    replica, replicas = _replica(p, model_runner)
+    return replica * tp_size + tp_rank, replicas * tp_size
 
 
 class ProcessSetup:
@@ -123,7 +150,7 @@ class ProcessSetup:
             rank, tp_size = _parallel(model_runner)
             if self.env.get("SHADOWD_RANK", str(rank)).strip() != str(rank):
                 # (one value for every worker of a launch would merge all ranks into one producer and spool)
-                log.warning("shadowd: SHADOWD_RANK=%s ignored under SGLang: this worker reports its TP rank %d",
+                log.warning("shadowd: SHADOWD_RANK=%s ignored under SGLang: this worker reports its own rank %d",
                             self.env["SHADOWD_RANK"], rank)
             config.rank = rank
             device = str(getattr(model_runner, "device", "cuda"))

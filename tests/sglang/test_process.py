@@ -74,6 +74,48 @@ def test_two_ranks_register_one_run_and_stream(sgl: Any, collector: Collector, t
         rt.streamer.close(2.0)
 
 
+def test_the_replicas_of_a_data_parallel_launch_report_as_ranks_of_their_own(sgl: Any, collector: Collector,
+                                                                             tmp_path: Path) -> None:
+    # --dp-size 2 --tp 2: each replica is a TP group whose ranks count from 0. Reported under their TP rank alone,
+    # two live workers shared a rank: a rank's producer figures are its latest producer's, so the other
+    # replica's drops or disabled candidate vanished from the gauges and alerts, and the coverage criterion
+    # asked nothing of the second replica.
+    import httpx
+    import sglang
+    from sglang.srt.runtime_context import get_parallel
+
+    from shadowd.sglang import process
+    from shadowd.sglang.spec import SpecCounters
+
+    env = {"SHADOWD_MODE": "validate", "SHADOWD_URL": collector.url, "SHADOWD_RUN_KEY": "dp-launch",
+           "SHADOWD_SPOOL_DIR": str(tmp_path / "spool"), "SHADOWD_FLUSH_INTERVAL_S": "0.1"}
+    runtimes = []
+    for replica in (0, 1):
+        for tp_rank in (0, 1):
+            with get_parallel().override(tp_rank=tp_rank, tp_size=2, dp_rank=replica, dp_size=2):
+                assert process._parallel(_runner(tp_rank)) == (replica * 2 + tp_rank, 4)
+                runtimes.append(process.ProcessSetup(sglang.__version__, SpecCounters(), env=env)
+                                .setup(_runner(tp_rank)))
+    with get_parallel().override(tp_rank=1, tp_size=2, dp_rank=None, dp_size=1):  # no DP controller
+        assert process._parallel(_runner(1)) == (1, 2)
+    assert [rt.config.rank for rt in runtimes] == [0, 1, 2, 3]
+    deadline = time.monotonic() + 30
+    while any(rt.run_id is None for rt in runtimes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len({rt.run_id for rt in runtimes}) == 1 and runtimes[0].run_id is not None, "one run per launch"
+    x, w = inputs()
+    for rt in runtimes:
+        site = ShadowSite("sglang.mla_tree_verify", base_fn, cand_fn, runtime=rt)
+        site(x, w, layer=0, bucket=Bucket(batch_size=2, draft_tokens=8, prefix_len=4096, heads=8))
+        assert rt.streamer is not None and rt.streamer.flush(20.0)
+    run_id = runtimes[0].run_id
+    assert CollectorClient(collector.url).get_run(run_id)["tp_size"] == 4
+    producers = httpx.get(f"{collector.url}/v1/runs/{run_id}/producers").json()
+    assert sorted(p["rank"] for p in producers) == [0, 1, 2, 3], "four workers, four ranks"
+    for rt in runtimes:
+        rt.streamer.close(2.0)
+
+
 def test_on_mode_whose_run_registration_is_refused_serves_the_baseline(sgl: Any, collector: Collector,
                                                                       tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
