@@ -13,6 +13,7 @@ A batch is a mapping::
       "content_hash": "sha256...",  # optional; the collector computes its own digest
       "producer_stats": {...},      # optional: spool depth, drops, fallback state (PRODUCER_STATS)
       "producer_notes": {...},      # optional: why the candidate was disabled / fell back (PRODUCER_NOTES)
+      "rank": 3,                    # optional, stats-only batches: the producer's rank
       "samples": {"layer": [...], "rank": [...], ...},
     }
 
@@ -22,8 +23,10 @@ It travels as msgpack (``application/msgpack``, what the hook sends) or JSON.
 ``producer_stats`` / ``producer_notes``: an idle producer's figures that changed since its last batch (samples it
 dropped while the collector was away, reported after the traffic stopped). It takes a seq like any batch (the
 producer's sequence has no gap; a replay is a duplicate) and adds nothing to the run's samples or rollups. The
-collector files the figures under the rank of the producer's earlier samples, so a producer it has not heard from
-yet gets a 422 naming ``producer``. A batch with neither samples nor figures is refused as before.
+collector files the figures under the rank of the producer's earlier samples; a producer none of whose samples it
+stored (all dropped on the way) is filed under the batch's ``rank`` (422 naming ``rank`` when it is not below the
+run's ``tp_size``), and without one gets a 422 naming ``producer``. A batch with neither samples nor figures is
+refused as before.
 
 **Packed columns.** In msgpack, a numeric column may also travel *packed*: one ``bin`` value
 holding the n entries as little-endian int64 (``int`` columns) or float64 (``float`` columns),

@@ -28,6 +28,7 @@ from shadowd.wire import (
     COUNT_MAX,
     COUNTER_MAX,
     HIST_BINS,
+    I32,
     PRODUCER_NOTE_MAX,
     PRODUCER_NOTES,
     PRODUCER_STATS,
@@ -68,6 +69,8 @@ class ValidBatch:
     producer_stats: dict[str, int] = field(default_factory=dict)
     #: the producer's notes (``shadowd.wire.PRODUCER_NOTES``): why its candidate was disabled / fell back
     producer_notes: dict[str, str] = field(default_factory=dict)
+    #: the producer's rank as the batch states it (``rank``: stats-only batches; the samples name their own)
+    rank: int | None = None
     #: ``hist`` in its stored form (shadowd.collector.histblob), one row per sample
     stored_hist: np.ndarray | None = field(default=None, repr=False, compare=False)
     #: the decoded ``samples`` mapping as received (only for :meth:`legacy_digest`; not sent anywhere)
@@ -280,8 +283,11 @@ def parse_batch(body: Any) -> ValidBatch:
     content_hash = body.get("content_hash")
     if content_hash is not None and (not isinstance(content_hash, str) or len(content_hash) > 128):
         raise BadBatch("content_hash", "must be a string of at most 128 characters")
+    rank = body.get("rank")  # (wire: a stats-only batch's rank, for a producer whose samples were never stored)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= I32):
+        raise BadBatch("rank", f"must be an integer between 0 and {I32}")
     for key in body:
-        if key not in {"producer", "seq", "samples", "content_hash", "producer_stats", "producer_notes"}:
+        if key not in {"producer", "seq", "samples", "content_hash", "producer_stats", "producer_notes", "rank"}:
             raise BadBatch(str(key), "unknown field")
     stats = _producer_stats(body.get("producer_stats"))
     notes = _producer_notes(body.get("producer_notes"))
@@ -353,6 +359,7 @@ def parse_batch(body: Any) -> ValidBatch:
         content_hash=content_hash,
         producer_stats=stats,
         producer_notes=notes,
+        rank=rank,
         stored_hist=stored_hist,
         raw=raw,
     )

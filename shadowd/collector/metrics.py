@@ -159,7 +159,8 @@ class RollupExporter(Collector):
         last = GaugeMetricFamily("shadowd_last_ingest_timestamp_seconds", "Unix time of the last stored batch",
                                  labels=["run"])
         for r in runs:
-            last.add_metric([str(r["id"])], float(r["last_ingest_at"]))
+            if r["last_ingest_at"] is not None:  # (a run with only stats-only batches has stored no batch of samples)
+                last.add_metric([str(r["id"])], float(r["last_ingest_at"]))
         yield last
 
     def _histograms(self, cells: list[dict[str, Any]], hists: Sequence[Any]) -> Iterator[Metric]:

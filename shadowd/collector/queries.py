@@ -128,9 +128,11 @@ def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s
 
 
 def runs_for_metrics(engine: Engine, since: float) -> list[dict[str, Any]]:
-    """Runs with an ingest after ``since`` (the ones /metrics exports)."""
+    """Runs with an ingest after ``since``, or a producer heard from after it (a stats-only batch of a producer
+    whose samples were all dropped): the ones /metrics exports."""
+    heard = select(t.producers.c.run_id).where(t.producers.c.last_seen >= since)
     with engine.connect() as conn:
-        rows = conn.execute(select(t.runs).where(t.runs.c.last_ingest_at >= since))
+        rows = conn.execute(select(t.runs).where((t.runs.c.last_ingest_at >= since) | t.runs.c.id.in_(heard)))
         return [dict(r) for r in rows.mappings()]
 
 

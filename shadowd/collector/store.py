@@ -78,6 +78,8 @@ class WriteJob:
     now: float
     #: the producer's notes (``shadowd.wire.PRODUCER_NOTES``): reasons, kept as first reported
     producer_notes: dict[str, str] = field(default_factory=dict)
+    #: the rank a stats-only batch states (used when the collector has stored none of the producer's samples)
+    rank: int | None = None
     #: SQLite: the samples' INSERT (``{batch_id}`` in place of the batch id), the columns its rows bind, and
     #: (in-process writes) the rows, built before the transaction
     sample_sql: str | None = None
@@ -235,7 +237,8 @@ class Store:
         the writer no more than taking them apart would."""
         if b.n == 0:  # a stats-only batch (shadowd.wire): nothing for the rollups or the samples table
             return WriteJob(run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n=0, cols={}, deltas=None,
-                            producer_stats=b.producer_stats, now=time.time(), producer_notes=b.producer_notes)
+                            producer_stats=b.producer_stats, now=time.time(), producer_notes=b.producer_notes,
+                            rank=b.rank)
         d = compute_deltas(run_id, b, self.policy, self.time_bucket_s)
         cols = (sample_values(b.cols, d.exceeded, b.stored_hist) if self.store_samples
                 else {"layer": b.cols["layer"], "rank": b.cols["rank"]})
@@ -299,7 +302,7 @@ class Store:
             raise UnknownRun(run_id)
         num_layers, tp_size, run_policy, mode_override = run
         if d is None:
-            return self._write_stats_only(cur, job, q, mode_override)
+            return self._write_stats_only(cur, job, q, mode_override, tp_size)
         layer, rank = job.cols["layer"], job.cols["rank"]
         if (bad := layer >= num_layers).any():
             i = int(np.flatnonzero(bad)[0])
@@ -354,21 +357,25 @@ class Store:
         cur.execute(q["duplicate"], (run_id,))
         return None, WriteOutcome(True, mode_override=mode_override)
 
-    def _write_stats_only(self, cur: Any, job: WriteJob, q: dict[str, str], mode_override: str | None
-                          ) -> WriteOutcome:
+    def _write_stats_only(self, cur: Any, job: WriteJob, q: dict[str, str], mode_override: str | None,
+                          tp_size: int) -> WriteOutcome:
         """A batch without samples: its seq is claimed (so the producer's sequence has no gap and a replay is a
-        duplicate) and its figures go to the producer's row, under the rank its samples named before."""
+        duplicate) and its figures go to the producer's row, under the rank its samples named before — or, for a
+        producer none of whose samples was stored (every one dropped), under the rank the batch states."""
         _, seen = self._claim(cur, job, q, job.now, mode_override)  # (retention: its time is its arrival)
         if seen is not None:
             return seen
         cur.execute(q["producer_rank"], (job.run_id, job.producer))
         row = cur.fetchone()
-        if row is None:  # (raised inside the transaction: the claim above is rolled back with it)
-            raise BadBatch("producer", f"{job.producer!r} has sent this run no samples yet: a batch without "
-                                       "samples has no rank to report its figures under")
+        # (raised inside the transaction: the claim above is rolled back with it)
+        if row is None and job.rank is None:
+            raise BadBatch("producer", f"{job.producer!r} has sent this run no samples yet and the batch states no "
+                                       "rank: a batch without samples has no rank to report its figures under")
+        if row is None and job.rank is not None and job.rank >= tp_size:
+            raise BadBatch("rank", f"{job.rank} is not below the run's tp_size {tp_size}")
         cur.execute(q["batch_only"], (job.run_id,))
         with self._storing("producer_stats"):
-            gap = self._record_producer(cur, job, int(row[0]))
+            gap = self._record_producer(cur, job, int(row[0]) if row is not None else int(job.rank or 0))
         return WriteOutcome(False, gap=gap, mode_override=mode_override)
 
     def _hot_sql(self) -> dict[str, str]:

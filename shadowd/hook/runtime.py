@@ -242,7 +242,7 @@ class HookRuntime:
         streamer = Streamer(client, self.run_id, spool, producer=producer, queue_max=cfg.queue_max,
                             batch_max=cfg.batch_max, flush_interval_s=cfg.flush_interval_s,
                             poll_interval_s=cfg.poll_interval_s, on_mode_override=self.set_override,
-                            stats=self.producer_stats, notes=self.producer_notes)
+                            stats=self.producer_stats, notes=self.producer_notes, rank=cfg.rank)
         if self._device is not None:
             streamer.pollers.append(self._device.poll)
         self.streamer = streamer.start()

@@ -73,10 +73,11 @@ BUG_TRIES = 8
 
 def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
                 producer_stats: dict[str, int] | None = None, packed: bool = True,
-                producer_notes: dict[str, str] | None = None) -> dict[str, Any]:
+                producer_notes: dict[str, str] | None = None, rank: int | None = None) -> dict[str, Any]:
     """A wire batch (``shadowd.wire``) of ``samples`` (dicts keyed by column name).
 
-    Numeric columns are packed (``packed=False``: lists, the same content for the collector).
+    Numeric columns are packed (``packed=False``: lists, the same content for the collector). A stats-only batch
+    (no samples) states the producer's ``rank`` when given.
     """
     cols: dict[str, Any] = {}
     for col in COLUMNS if samples else ():  # (none: a stats-only batch, ``samples`` {})
@@ -97,6 +98,8 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
         else:
             cols[col.name] = vals
     batch: dict[str, Any] = {"producer": producer, "seq": seq, "samples": cols}
+    if not samples and rank is not None:
+        batch["rank"] = rank
     if producer_stats:
         batch["producer_stats"] = producer_stats
     notes = {k: v[:PRODUCER_NOTE_MAX] for k, v in (producer_notes or {}).items() if k in PRODUCER_NOTES and v}
@@ -122,8 +125,11 @@ class Streamer:
                  producer: str | None = None,
                  on_mode_override: Callable[[str | None], None] | None = None,
                  stats: Callable[[], dict[str, int]] | None = None,
-                 notes: Callable[[], dict[str, str]] | None = None) -> None:
+                 notes: Callable[[], dict[str, str]] | None = None, rank: int | None = None) -> None:
         self.client = client
+        #: the producer's rank, stated in its stats-only batches: the collector files their figures under it when
+        #: none of the producer's samples was stored (every one dropped); None: such a producer sends none
+        self.rank = rank
         self.run_id = run_id
         self.spool = spool
         self.producer = producer or uuid.uuid4().hex
@@ -351,7 +357,7 @@ class Streamer:
     def _encode(self, seq: int, samples: list[dict[str, Any]]) -> bytes:
         stats, notes = self.producer_stats(), self.notes() if self.notes else {}
         self._encoded = _health(stats, notes)
-        return encode_msgpack(build_batch(self.producer, seq, samples, stats, producer_notes=notes))
+        return encode_msgpack(build_batch(self.producer, seq, samples, stats, producer_notes=notes, rank=self.rank))
 
     def _ship(self, samples: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -378,12 +384,16 @@ class Streamer:
         """Idle (nothing to send, the spool empty, the collector answering): when the health figures moved since
         the newest batch posted directly — samples dropped while the collector was away, reported only with a later
         batch, which an idle producer does not send — ship them in a stats-only batch. At most one per
-        ``poll_interval_s`` without other contact; its answer carries the kill switch like any batch's. Only a
-        producer the collector knows (it has taken samples of it) sends one: figures need the rank of its samples."""
-        if (self.sent == 0 or self.spool.depth() or not self._can_post()
-                or time.monotonic() - self._last_contact < self.poll_interval_s):
+        ``poll_interval_s`` without other contact; its answer carries the kill switch like any batch's. A producer
+        none of whose samples reached the collector (all dropped: a spool bound or a spool disk that failed while
+        the collector was away) sends one only when it knows its :attr:`rank` and has something to report (drops,
+        a note): the collector files the figures under the rank of the producer's samples, else the stated one."""
+        if self.spool.depth() or not self._can_post() or time.monotonic() - self._last_contact < self.poll_interval_s:
             return
-        if _health(self.producer_stats(), self.notes() if self.notes else {}) != self._reported:
+        health = _health(self.producer_stats(), self.notes() if self.notes else {})
+        if self.sent == 0 and (self.rank is None or not any(health.values())):
+            return
+        if health != self._reported:
             self._ship([])
 
     def _poll_mode(self) -> None:

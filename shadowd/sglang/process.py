@@ -198,7 +198,7 @@ class ProcessSetup:
 
         streamer = Streamer(client, PENDING_RUN, spool, queue_max=cfg.queue_max, batch_max=cfg.batch_max,
                             flush_interval_s=cfg.flush_interval_s, poll_interval_s=cfg.poll_interval_s,
-                            on_mode_override=rt.set_override, stats=stats, notes=rt.producer_notes)
+                            on_mode_override=rt.set_override, stats=stats, notes=rt.producer_notes, rank=cfg.rank)
         streamer.pollers.append(lambda: rt._device.poll() if rt._device is not None else [])
         # started at once: until the run is registered (the collector may be down) batches go to the spool
         rt.streamer = streamer.start()

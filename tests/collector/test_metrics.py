@@ -137,6 +137,29 @@ def test_a_stats_only_batch_needs_figures_and_a_known_producer(db_url, make_clie
     assert reg.get_sample_value("shadowd_producer_sequence_gaps", {"run": str(run_id), "rank": "1"}) == 0.0
 
 
+def test_a_stats_only_batch_of_a_producer_whose_samples_all_dropped_is_filed_under_its_stated_rank(db_url,
+                                                                                                   make_client):
+    """A producer whose every batch was dropped (its spool bound hit during an outage) has no stored sample to
+    take a rank from; its stats-only batch states the rank, and its drops show under it. A stated rank the run
+    cannot have is refused, naming ``rank``, and stores nothing (the seq stays free for the real batch); a later
+    figure of the same producer is filed under the rank first stored."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=2))
+    reg = c.app.state.metrics.registry
+    for bad in (2, -1, "1", True):
+        r = post_msgpack(c, run_id, {**_stats_only("lost", 0, dropped=50), "rank": bad})
+        assert r.status_code == 422 and r.json()["detail"]["field"] == "rank", (bad, r.text)
+    assert c.get(f"/v1/runs/{run_id}").json()["batches"] == 0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) in (None, 0.0)
+    r = post_msgpack(c, run_id, {**_stats_only("lost", 0, dropped=50), "rank": 1})
+    assert r.status_code == 200, r.text
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 50.0
+    r = post_msgpack(c, run_id, _stats_only("lost", 1, dropped=60))  # no rank now: the stored one is used
+    assert r.status_code == 200, r.text
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 60.0
+    assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 0
+
+
 def test_a_producers_clock_offset_is_exported_per_rank(db_url, make_client):
     """A producer whose clock is behind stamps its samples in the past, which a spooled batch's samples
     legitimately are too; the send stamp of each attempt tells them apart. /metrics exports the offset per rank

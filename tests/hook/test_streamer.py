@@ -194,6 +194,49 @@ def test_drops_reach_the_collector_when_traffic_stopped_before_it_came_back(coll
     assert client.get_run(run_id)["batches"] == batches
 
 
+def test_drops_of_a_producer_none_of_whose_samples_was_stored_reach_the_collector(collector: Collector,
+                                                                                 tmp_path: Path) -> None:
+    """A spool too small for any batch during an outage: every sample is dropped, so the collector never learns
+    the producer's rank from a sample. The streamer knows its rank and states it in its stats-only batch once
+    the collector is back; the drops then show under that rank, and nothing else is added to the run."""
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run({**run_body("all-dropped"), "tp_size": 2})["id"]
+    dead = CollectorClient(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+    st = Streamer(dead, run_id, Spool(tmp_path / "spool", 64), flush_interval_s=0.05, batch_max=10,
+                  poll_interval_s=0.2, rank=1).start()
+    for i in range(30):
+        st.submit({**sample(i), "rank": 1})
+    assert wait_for(lambda: st._q.empty() and st.dropped == 30 and st.spool.depth() == 0)
+    st.client = client
+    st._retry_at = 0.0
+    assert wait_for(lambda: [r[0] for r in _producer_figures(collector.db_path, run_id)] == [30]), \
+        _producer_figures(collector.db_path, run_id)
+    con = sqlite3.connect(collector.db_path)
+    ranks = con.execute("SELECT rank FROM producers WHERE run_id = ?", (run_id,)).fetchall()
+    con.close()
+    st.close()
+    assert ranks == [(1,)] and client.get_run(run_id)["samples"] == 0
+
+
+def test_a_producer_that_knows_no_rank_sends_no_figures_before_its_first_stored_batch(collector: Collector,
+                                                                                      tmp_path: Path) -> None:
+    """Without a rank (a streamer built without one) the figures of a producer the collector has never stored
+    a sample of have nowhere to go: the idle streamer does not send them (the collector would refuse them)."""
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("no-rank"))["id"]
+    dead = CollectorClient(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+    st = Streamer(dead, run_id, Spool(tmp_path / "spool", 64), flush_interval_s=0.05, batch_max=10,
+                  poll_interval_s=0.1).start()
+    for i in range(10):
+        st.submit(sample(i))
+    assert wait_for(lambda: st._q.empty() and st.dropped == 10)
+    st.client = client
+    st._retry_at = 0.0
+    time.sleep(0.8)  # several idle polls against the live collector
+    st.close()
+    assert client.get_run(run_id)["batches"] == 0 and st.rejected == 0
+
+
 def test_rejected_batches_are_dropped_not_retried(collector: Collector, tmp_path: Path) -> None:
     client = CollectorClient(collector.url, timeout=2.0)
     run_id = client.register_run(run_body("reject"))["id"]
