@@ -277,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rv = app(argv, standalone_mode=False)
     except usage_error as exc:
-        exc.show()  # type: ignore[attr-defined]  # (no arguments at all: the help, as asked)
-        return exc.exit_code if type(exc).__name__ == "NoArgsIsHelpError" else EXIT_USAGE  # type: ignore[attr-defined]
+        # (no command at all: the help, and EXIT_USAGE as well — click's 2 would read as INSUFFICIENT_DATA to a
+        # script that runs ``shadowd $CMD`` with an empty CMD)
+        exc.show()  # type: ignore[attr-defined]
+        return EXIT_USAGE
     except typer.Abort:
         typer.echo("Aborted!", err=True)
         return 1

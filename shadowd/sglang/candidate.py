@@ -56,6 +56,8 @@ __all__ = [
     "candidate_fingerprint",
     "candidate_fn",
     "candidate_gate",
+    "candidate_q_dtypes",
+    "candidate_ref",
     "describe_flag",
     "error_flag",
     "oracle",
@@ -134,9 +136,24 @@ def _oracle_fp32(*args: Any, **kwargs: Any) -> torch.Tensor:
 _RESOLVED: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def candidate_fn(cuda: bool, env: dict[str, str] | None = None) -> Callable[..., torch.Tensor]:
+#: the q dtypes a candidate takes, by its reference (``SHADOWD_CANDIDATE``'s form); one not listed takes what
+#: SGLang's path takes, and its refusals become samples
+_Q_DTYPES: dict[str, tuple[torch.dtype, ...]] = {"mla_tree_verify:tree_verify": (torch.bfloat16,)}
+
+
+def candidate_ref(cuda: bool, env: Mapping[str, str] | None = None) -> str:
+    """The ``module:function`` reference of the candidate (``""``: the CPU stand-in, the fp32 oracle)."""
+    return (os.environ if env is None else env).get(CANDIDATE_ENV) or ("mla_tree_verify:tree_verify" if cuda else "")
+
+
+def candidate_q_dtypes(cuda: bool, env: Mapping[str, str] | None = None) -> tuple[torch.dtype, ...] | None:
+    """The q dtypes the candidate takes, where known (``tree_verify``: bf16 only); None: not known."""
+    return _Q_DTYPES.get(candidate_ref(cuda, env))
+
+
+def candidate_fn(cuda: bool, env: Mapping[str, str] | None = None) -> Callable[..., torch.Tensor]:
     """The function with ``tree_verify``'s signature that serves as candidate."""
-    ref = (os.environ if env is None else env).get(CANDIDATE_ENV) or ("mla_tree_verify:tree_verify" if cuda else "")
+    ref = candidate_ref(cuda, env)
     if not ref:
         return _oracle_fp32
     fn = _RESOLVED.get(ref)

@@ -7,7 +7,8 @@ caller's exact arguments):
   DFLASH/DSPARK draft runners also run in verify mode);
 * absorbed MLA shapes (``qk_head_dim`` 576, ``v_head_dim`` 512, one latent KV head), no KV
   scales (FP8 KV), no sinks / score_mod / aux tensors / logit cap / sliding window / DCP / DLLM,
-  decoder self-attention (causal), K/V given (not read back), q in bf16/fp16/fp32 and the draft k and the
+  decoder self-attention (causal), K/V given (not read back), q in bf16/fp16/fp32 — and in a dtype the candidate
+  takes, where that is known (``tree_verify``, the default candidate on CUDA: bf16) — and the draft k and the
   layer's KV cache in q's dtype (an fp8 cache without KV scales — ``--kv-cache-dtype fp8_e4m3`` — is SGLang's: its
   kernel rounds q to fp8 for the dot, and the candidate takes a cache in q's dtype only);
 * the effective mode (kill switch applied) is not ``off``.
@@ -39,6 +40,7 @@ from shadowd.sglang.candidate import (
     baseline_gate,
     candidate,
     candidate_gate,
+    candidate_q_dtypes,
     describe_flag,
     error_flag,
     oracle,
@@ -60,14 +62,18 @@ def ineligible(backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: 
     """Why this ``forward_extend`` call is not shadowed (None: it is)."""
     return (_step_reason(backend, forward_batch) or _layer_reason(backend, layer)
             or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors)
-            or _cache_reason(q, k, backend.token_to_kv_pool.get_key_buffer(layer.layer_id)))
+            or _cache_reason(q, k, backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                             candidate_q_dtypes(q.is_cuda)))
 
 
-def _cache_reason(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor) -> str | None:
+def _cache_reason(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor,
+                  q_dtypes: tuple[torch.dtype, ...] | None = None) -> str | None:
     """What excludes this call for the layer's KV cache: one in another dtype than q (fp8 KV cache), or a draft k
-    in another dtype than q."""
+    in another dtype than q; and for the candidate: a q in a dtype it does not take (``q_dtypes``, when known)."""
     if kv_buffer.dtype != q.dtype or k.dtype != q.dtype:
         return "KV cache dtype differs from q"
+    if q_dtypes is not None and q.dtype not in q_dtypes:
+        return f"q dtype {q.dtype} is not one the candidate takes ({', '.join(map(str, q_dtypes))})"
     return None
 
 
@@ -127,6 +133,8 @@ class VerifyShadow:
         self.reasons: dict[str, int] = {}
         # per (backend, layer) id: the objects (so a reused id is never mistaken for them) and _layer_reason's answer
         self._layer_reasons: dict[tuple[int, int], tuple[Any, Any, str | None]] = {}
+        #: by q.is_cuda: the q dtypes the candidate takes (None: not known), read once (the candidate is fixed at start)
+        self._q_dtypes: dict[bool, tuple[torch.dtype, ...] | None] = {}
 
     def _site(self, backend: Any) -> ShadowSite:
         if self.site is None:
@@ -158,7 +166,10 @@ class VerifyShadow:
         kv_buffer = None
         if why is None:
             kv_buffer = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            why = _cache_reason(q, k, kv_buffer)
+            cuda = bool(q.is_cuda)
+            if cuda not in self._q_dtypes:
+                self._q_dtypes[cuda] = candidate_q_dtypes(cuda)
+            why = _cache_reason(q, k, kv_buffer, self._q_dtypes[cuda])
         if why is not None:
             self.passed += 1
             seen = self.reasons.get(why, 0)

@@ -23,6 +23,11 @@ def test_a_bad_command_line_is_not_a_verdict(capsys: pytest.CaptureFixture[str])
     assert "Invalid value for '--run'" in _err(capsys)
     assert main(["readiness", "--no-such-flag"]) == EXIT_USAGE
     assert main(["no-such-command"]) == EXIT_USAGE
+    # no command at all (a script's empty $CMD): the help, and a usage error rather than click's 2
+    capsys.readouterr()
+    for argv in ([], ["db"]):
+        assert main(argv) == EXIT_USAGE, argv
+        assert "Usage" in capsys.readouterr().out + _err(capsys), argv
     assert main(["demo", "--fault", "gremlins"]) == EXIT_USAGE
     assert "--fault must be one of" in _err(capsys)
     # a run id or a wait that cannot be one is a usage error, not "refused" (4) or a zero wait

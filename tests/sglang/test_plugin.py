@@ -332,6 +332,48 @@ def test_a_cache_in_another_dtype_than_q_is_passed_through(sgl: Any, fresh_plugi
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
 
 
+def test_the_candidates_known_q_dtypes() -> None:
+    """``tree_verify`` (the default candidate on CUDA) takes bf16 only; a ``SHADOWD_CANDIDATE`` of the user's, and
+    the CPU stand-in, declare nothing (their refusals become samples)."""
+    from shadowd.sglang.candidate import CANDIDATE_ENV, candidate_q_dtypes
+
+    assert candidate_q_dtypes(True, {}) == (torch.bfloat16,)
+    assert candidate_q_dtypes(False, {CANDIDATE_ENV: "mla_tree_verify:tree_verify"}) == (torch.bfloat16,)
+    assert candidate_q_dtypes(True, {CANDIDATE_ENV: "my_kernels:verify"}) is None
+    assert candidate_q_dtypes(False, {}) is None
+
+
+def test_a_q_in_a_dtype_the_candidate_does_not_take_is_passed_through(sgl: Any, fresh_plugins: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model served in fp16 or fp32 with ``tree_verify`` as candidate: every shadowed call would raise its
+    ArgumentError (q must be bf16), the candidate would be disabled after a few and the run judged NOT_READY for a
+    kernel that was never compared. Such calls are SGLang's, untouched, and the reason is counted (and said)."""
+    import shadowd.sglang.plugin as plugin
+
+    monkeypatch.setenv("SHADOWD_CANDIDATE", "mla_tree_verify:tree_verify")
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    original = sgl.TritonAttnBackend.__dict__["forward_extend"].__wrapped__
+    calls: list[tuple[Any, ...]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    from sglang.srt.runtime_context import get_parallel
+
+    case = make_case(sgl, layers=2)  # float32 q and cache (the Triton interpreter's dtype)
+    v = plugin.state().verify
+    with get_parallel().override(dcp_enabled=False):
+        for layer, q, k in zip(case.layers, case.q, case.k, strict=True):
+            v(recording, case.backend, q, k, k[..., :512], layer, case.forward_batch)
+    assert samples == []
+    assert v.shadowed == 0 and list(v.reasons.values()) == [2], v.reasons
+    (why,) = v.reasons
+    assert "torch.float32" in why and "torch.bfloat16" in why
+    assert len(calls) == 2 and all(c[6] is True for c in calls)  # SGLang's own call, cache write included
+
+
 def test_target_verify_calls_not_shadowed_say_why_once(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """A deployment whose target-verify calls all pass through (KV scales, an fp8 cache, a sliding window, ...) said
