@@ -14,8 +14,9 @@ Measures, with CUDA events (median of repeats):
   time, graph of baseline+candidate alone vs the whole shadowed call); ``--overhead-only`` measures just these.
 Writes JSON (``--out``) and prints a markdown block; ``--results`` appends it to a results file.
 ``--latency-only`` measures just the per-call rows at the default tiles (with each kernel's registers and
-spills); with ``--shadowd-from DIR`` (a tree holding another revision's ``shadowd/``, e.g. from
-``git archive REV shadowd``) it measures that revision, so two revisions compare in one GPU session.
+spills; ``--tiles B,W,P ...`` adds those tiles, each with and without the histogram); with
+``--shadowd-from DIR`` (a tree holding another revision's ``shadowd/``, e.g. from ``git archive REV shadowd``) it
+measures that revision, so two revisions compare in one GPU session.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def main() -> int:
                     help="only the per-call rows under a graph, at the default tiles")
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the hook's overhead per call (host time, and device time under a graph)")
+    ap.add_argument("--tiles", metavar="B,W,P", nargs="+", default=None,
+                    help="with --latency-only: also time these tiles (elements per tile, warps, programs per SM) "
+                         "per call under a graph, each with the histogram and without it")
     ap.add_argument("--shadowd-from", metavar="DIR", default=None,
                     help="import shadowd from DIR (another revision's tree) instead of this repo")
     args = ap.parse_args()
@@ -204,6 +208,11 @@ def stats_benchmarks(res: dict, args: argparse.Namespace, dev: torch.device, cop
             for tile in SMALL_VARIANTS:
                 per_tile[str(tile)] = 1e6 * graph_time(
                     lambda c=c, b=b, tile=tile: [st(c, b, tile) for _ in range(CALLS_PER_GRAPH)]) / CALLS_PER_GRAPH
+        for tile in _tiles(args.tiles):
+            for hist in (True, False):
+                per_tile[f"{tile}{'' if hist else ' no histogram'}"] = 1e6 * graph_time(
+                    lambda c=c, b=b, tile=tile, hist=hist: [st(c, b, tile, hist) for _ in range(CALLS_PER_GRAPH)]
+                ) / CALLS_PER_GRAPH
         per_launch = {}
         if b.numel() <= 2**21 and not args.latency_only:
             for name, kw in LAUNCH_VARIANTS.items():
@@ -226,6 +235,17 @@ def stats_benchmarks(res: dict, args: argparse.Namespace, dev: torch.device, cop
     b = torch.randn(256, 64, 512, device=dev, dtype=torch.bfloat16)
     c = b + (1e-2 * torch.randn(256, 64, 512, device=dev)).to(torch.bfloat16)
     res["naive_torch_us_256x64x512"] = cuda_time(lambda: raw_stats_torch(c, b)) * 1e6
+
+
+def _tiles(specs: list[str] | None) -> list[tuple[int, int, int]]:
+    """``--tiles`` as (elements per tile, warps, programs per SM) tuples."""
+    out = []
+    for spec in specs or ():
+        parts = spec.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise SystemExit(f"--tiles: {spec!r} is not B,W,P (three integers)")
+        out.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return out
 
 
 def same_size_references(c: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
