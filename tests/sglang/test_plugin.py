@@ -295,6 +295,30 @@ def test_a_custom_candidate_without_an_error_flag_parameter_is_not_given_one() -
     assert _takes(older, "error_flag") and not _takes(older, "nonfinite_flag")
 
 
+def _through_the_hook(sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch, case: Any,
+                      stand_in: Any = None) -> tuple[Any, list[Any], list[tuple[Any, ...]]]:
+    """Every layer of ``case`` through the validate plugin's hook around SGLang's own forward_extend (or
+    ``stand_in``): (the hook, the samples emitted, the arguments of each call that reached the original)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    import shadowd.sglang.plugin as plugin
+
+    samples = _runtime("validate")
+    _load(fresh_plugins, monkeypatch, "validate")
+    original = stand_in or sgl.TritonAttnBackend.__dict__["forward_extend"].__wrapped__
+    calls: list[tuple[Any, ...]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    v = plugin.state().verify
+    with get_parallel().override(dcp_enabled=False):
+        for layer, q, k in zip(case.layers, case.q, case.k, strict=True):
+            v(recording, case.backend, q, k, k[..., :512], layer, case.forward_batch)
+    return v, samples, calls
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16-cache", "fp8-cache"])
 def test_a_cache_in_another_dtype_than_q_is_passed_through(sgl: Any, fresh_plugins: Any,
                                                            monkeypatch: pytest.MonkeyPatch,
@@ -303,24 +327,11 @@ def test_a_cache_in_another_dtype_than_q_is_passed_through(sgl: Any, fresh_plugi
     cache and rounds q to fp8 for the dot; the candidate takes a cache in q's dtype only (``tree_verify``: bf16, an
     ArgumentError on anything else, which disabled the candidate for the process and made the run NOT_READY for good).
     Such a call is no like-for-like comparison: it is SGLang's, untouched, and the reason counted."""
-    import shadowd.sglang.plugin as plugin
-
-    samples = _runtime("validate")
-    _load(fresh_plugins, monkeypatch, "validate")
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    v, samples, calls = _through_the_hook(
+        sgl, fresh_plugins, monkeypatch, make_case(sgl, layers=2, cache_dtype=cache_dtype),
+        (lambda *args, **kwargs: args[1][:, :1024] * 0) if fp8 else None)
     original = sgl.TritonAttnBackend.__dict__["forward_extend"].__wrapped__
-    calls: list[tuple[Any, ...]] = []
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        return original(*args, **kwargs) if cache_dtype != torch.float8_e4m3fn else args[1][:, :1024] * 0
-
-    from sglang.srt.runtime_context import get_parallel
-
-    case = make_case(sgl, layers=2, cache_dtype=cache_dtype)
-    v = plugin.state().verify
-    with get_parallel().override(dcp_enabled=False):
-        for layer, q, k in zip(case.layers, case.q, case.k, strict=True):
-            v(recording, case.backend, q, k, k[..., :512], layer, case.forward_batch)
     assert samples == []
     assert v.shadowed == 0 and v.reasons == {"KV cache dtype differs from q": 2}, v.reasons
     # SGLang's own call, with the cache write left to it (save_kv_cache=True)
@@ -348,25 +359,9 @@ def test_a_q_in_a_dtype_the_candidate_does_not_take_is_passed_through(sgl: Any, 
     """A model served in fp16 or fp32 with ``tree_verify`` as candidate: every shadowed call would raise its
     ArgumentError (q must be bf16), the candidate would be disabled after a few and the run judged NOT_READY for a
     kernel that was never compared. Such calls are SGLang's, untouched, and the reason is counted (and said)."""
-    import shadowd.sglang.plugin as plugin
-
     monkeypatch.setenv("SHADOWD_CANDIDATE", "mla_tree_verify:tree_verify")
-    samples = _runtime("validate")
-    _load(fresh_plugins, monkeypatch, "validate")
-    original = sgl.TritonAttnBackend.__dict__["forward_extend"].__wrapped__
-    calls: list[tuple[Any, ...]] = []
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        return original(*args, **kwargs)
-
-    from sglang.srt.runtime_context import get_parallel
-
-    case = make_case(sgl, layers=2)  # float32 q and cache (the Triton interpreter's dtype)
-    v = plugin.state().verify
-    with get_parallel().override(dcp_enabled=False):
-        for layer, q, k in zip(case.layers, case.q, case.k, strict=True):
-            v(recording, case.backend, q, k, k[..., :512], layer, case.forward_batch)
+    # (float32 q and cache: the Triton interpreter's dtype)
+    v, samples, calls = _through_the_hook(sgl, fresh_plugins, monkeypatch, make_case(sgl, layers=2))
     assert samples == []
     assert v.shadowed == 0 and list(v.reasons.values()) == [2], v.reasons
     (why,) = v.reasons
