@@ -59,8 +59,9 @@ def _gather_sum(kv_ptr, idx_ptr, out_ptr, rows, per_prog, ROWS: tl.constexpr, IN
 
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 1 GiB device-to-device copy, launched eagerly and timed with events
-    (median), as ``bench/verify.py`` and ``bench/diffstats.py`` measure it (a copy captured in a graph runs as a
-    memcpy node, which the driver may give to a copy engine: ~2.8 TB/s on the H200, not the SMs' ~4.2)."""
+    (median), as ``bench/verify.py`` and ``bench/diffstats.py`` measure it (the same copy timed by
+    ``triton.testing.do_bench_cudagraph`` read 2.8 TB/s on the H200 against 4.2 eagerly; the cause was not
+    established, and ``bench/diffstats.py``'s 20-call graphs of smaller copies read ~4 TB/s)."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     t = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
