@@ -368,14 +368,18 @@ class Store:
         cur.execute(q["producer_rank"], (job.run_id, job.producer))
         row = cur.fetchone()
         # (raised inside the transaction: the claim above is rolled back with it)
-        if row is None and job.rank is None:
+        if row is not None:
+            rank = int(row[0])
+        elif job.rank is None:
             raise BadBatch("producer", f"{job.producer!r} has sent this run no samples yet and the batch states no "
                                        "rank: a batch without samples has no rank to report its figures under")
-        if row is None and job.rank is not None and job.rank >= tp_size:
+        elif job.rank >= tp_size:
             raise BadBatch("rank", f"{job.rank} is not below the run's tp_size {tp_size}")
+        else:
+            rank = job.rank
         cur.execute(q["batch_only"], (job.run_id,))
         with self._storing("producer_stats"):
-            gap = self._record_producer(cur, job, int(row[0]) if row is not None else int(job.rank or 0))
+            gap = self._record_producer(cur, job, rank)
         return WriteOutcome(False, gap=gap, mode_override=mode_override)
 
     def _hot_sql(self) -> dict[str, str]:

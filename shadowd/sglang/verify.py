@@ -61,19 +61,15 @@ def ineligible(backend: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: 
                score_mod: Any = None, aux_tensors: Any = None) -> str | None:
     """Why this ``forward_extend`` call is not shadowed (None: it is)."""
     return (_step_reason(backend, forward_batch) or _layer_reason(backend, layer)
-            or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors)
-            or _cache_reason(q, k, backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                             candidate_q_dtypes(q.is_cuda)))
+            or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors, candidate_q_dtypes(q.is_cuda))
+            or _cache_reason(q, k, backend.token_to_kv_pool.get_key_buffer(layer.layer_id)))
 
 
-def _cache_reason(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor,
-                  q_dtypes: tuple[torch.dtype, ...] | None = None) -> str | None:
+def _cache_reason(q: torch.Tensor, k: torch.Tensor, kv_buffer: torch.Tensor) -> str | None:
     """What excludes this call for the layer's KV cache: one in another dtype than q (fp8 KV cache), or a draft k
-    in another dtype than q; and for the candidate: a q in a dtype it does not take (``q_dtypes``, when known)."""
+    in another dtype than q."""
     if kv_buffer.dtype != q.dtype or k.dtype != q.dtype:
         return "KV cache dtype differs from q"
-    if q_dtypes is not None and q.dtype not in q_dtypes:
-        return f"q dtype {q.dtype} is not one the candidate takes ({', '.join(map(str, q_dtypes))})"
     return None
 
 
@@ -88,14 +84,16 @@ def _step_reason(backend: Any, forward_batch: Any) -> str | None:
 
 
 def _call_reason(q: Any, k: Any, v: Any, forward_batch: Any, sinks: Any, score_mod: Any,
-                 aux_tensors: Any) -> str | None:
-    """What excludes this one call (its arguments)."""
+                 aux_tensors: Any, q_dtypes: tuple[torch.dtype, ...] | None = None) -> str | None:
+    """What excludes this one call (its arguments); ``q_dtypes``: the q dtypes the candidate takes, when known."""
     if k is None or v is None or sinks is not None or score_mod is not None or aux_tensors is not None:
         return "k/v missing or sinks/score_mod/aux_tensors"
     if getattr(forward_batch, "mha_one_shot", False):
         return "MHA one-shot"
     if q.dtype not in _DTYPES or q.shape[0] != k.shape[0] or k.shape[-1] != D_QK:
         return "dtype/shape"
+    if q_dtypes is not None and q.dtype not in q_dtypes:
+        return f"q dtype {q.dtype} is not one the candidate takes ({', '.join(map(str, q_dtypes))})"
     return None
 
 
@@ -162,14 +160,11 @@ class VerifyShadow:
             why = "mode off"
         if why is None:
             why = (_step_reason(backend, forward_batch) or self._layer_reason(backend, layer)
-                   or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors))
+                   or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors, self._candidate_dtypes(q)))
         kv_buffer = None
         if why is None:
             kv_buffer = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            cuda = bool(q.is_cuda)
-            if cuda not in self._q_dtypes:
-                self._q_dtypes[cuda] = candidate_q_dtypes(cuda)
-            why = _cache_reason(q, k, kv_buffer, self._q_dtypes[cuda])
+            why = _cache_reason(q, k, kv_buffer)
         if why is not None:
             self.passed += 1
             seen = self.reasons.get(why, 0)
@@ -196,6 +191,13 @@ class VerifyShadow:
             attn_out.copy_(out.view(attn_out.shape))  # SGLang's layout: its own buffer
             return attn_out
         return out
+
+    def _candidate_dtypes(self, q: Any) -> tuple[torch.dtype, ...] | None:
+        # the q dtypes the candidate takes (None: not known), read once per device kind: the candidate is fixed
+        cuda = bool(getattr(q, "is_cuda", False))
+        if cuda not in self._q_dtypes:
+            self._q_dtypes[cuda] = candidate_q_dtypes(cuda)
+        return self._q_dtypes[cuda]
 
     def _layer_reason(self, backend: Any, layer: Any) -> str | None:
         # the attributes read are fixed once the model is loaded: computed on a layer's first verify call only
