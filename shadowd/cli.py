@@ -139,6 +139,30 @@ def readiness(
     raise typer.Exit(readiness_command(url, run, wait, token, expect_fingerprint=expect_fingerprint))
 
 
+@app.command()
+def mode(
+    run: Annotated[int, typer.Argument(min=1, help="the run id (the journal's 'run N (<key>), rank r streaming' "
+                                                   "line; for an on-mode deployment, its own run)")],
+    to: Annotated[str | None, typer.Argument(metavar="[validate|off|clear]",
+                                             help="lower every producer of the run to this mode, or clear the "
+                                                  "override; omit to print it")] = None,
+    url: Annotated[str, typer.Option(help="collector base URL", envvar="SHADOWD_URL")] = "http://127.0.0.1:8787",
+    token: Annotated[str | None, typer.Option(help="bearer token", envvar="SHADOWD_TOKEN")] = None,
+) -> None:
+    """Print or set a run's kill switch (rollback without a restart).
+
+    'validate' serves SGLang's kernel again on every rank and keeps comparing; 'off' stops the candidate; 'clear'
+    returns each rank to its own SHADOWD_MODE. Ranks act on it from their next exchange with the collector (about
+    2 s), graph replays included. Exit 0 done, 3 collector unreachable, 4 refused (unknown run, bad token)."""
+    from shadowd.mode_cli import CHOICES, mode_command
+
+    if to is not None and to not in CHOICES:
+        why = " (the kill switch only lowers a mode: on is set by SHADOWD_MODE)" if to == "on" else ""
+        raise typer.BadParameter(f"{to!r} is not one of {', '.join(CHOICES)}{why}", param_hint="'MODE'")
+    _check_url(url)
+    raise typer.Exit(mode_command(url, run, to, token, echo=typer.echo))
+
+
 def _check_url(url: str) -> None:
     """A collector URL httpx can send to (http or https, with a host): else a usage error naming --url."""
     import httpx

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from shadowd.cli import main
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
 from shadowd.collector.batch import parse_batch
 from shadowd.hook.site import ShadowSite
@@ -330,6 +331,29 @@ def test_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path) -> N
     CollectorClient(collector.url).set_mode(run_id, "off")
     assert wait_for(lambda: rt.mode == "off", 20)
     CollectorClient(collector.url).set_mode(run_id, None)
+    assert wait_for(lambda: rt.mode == "on", 20)
+    st.close()
+
+
+def test_the_command_lines_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # the runbook's rollback step as an operator types it: `shadowd mode RUN validate`, then `clear`
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("kill-cli"))["id"]
+    rt, _ = make_runtime("on", spot_every=1)
+    rt.sink = None
+    st = Streamer(client, run_id, Spool(tmp_path / "s", 2**20), flush_interval_s=0.05, poll_interval_s=0.2,
+                  on_mode_override=rt.set_override, stats=rt.producer_stats)
+    rt.streamer = st.start()
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    site(x, w, layer=0)
+    assert st.flush(20) and rt.mode == "on"
+    assert main(["mode", str(run_id), "validate", "--url", collector.url]) == 0
+    assert f"run {run_id} (kill-cli): kill switch validate (was none)" in capsys.readouterr().out
+    assert wait_for(lambda: rt.mode == "validate", 20), "the kill switch set from the command line reached the hook"
+    assert torch.equal(site(x, w, layer=0), base_fn(x, w))
+    assert main(["mode", str(run_id), "clear", "--url", collector.url]) == 0
     assert wait_for(lambda: rt.mode == "on", 20)
     st.close()
 
