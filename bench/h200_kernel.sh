@@ -40,10 +40,10 @@ for st in $STAGES; do
       for tool in memcheck racecheck initcheck synccheck; do
         log="$OUT/sanitize-$tool.log"
         timeout ${SAN_TIMEOUT:-100} compute-sanitizer --tool $tool --kernel-name kns=mtv_ --print-limit 20 \
-          $PY tests/kernel/sanitize_cases.py > "$log" 2>&1; rc=$?
+          $PY -m mla_tree_verify.sanitize > "$log" 2>&1; rc=$?
         if ! grep -q "ERROR SUMMARY" "$log"; then  # filter syntax refused: check every kernel instead
           timeout ${SAN_TIMEOUT:-100} compute-sanitizer --tool $tool --print-limit 20 \
-            $PY tests/kernel/sanitize_cases.py > "$log" 2>&1; rc=$?
+            $PY -m mla_tree_verify.sanitize > "$log" 2>&1; rc=$?
         fi
         note "sanitizer $tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
         grep -E "^=========" "$log" | grep -v "ERROR SUMMARY" | head -8 >> "$SUMMARY"

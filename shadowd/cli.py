@@ -180,14 +180,21 @@ def _check_url(url: str) -> None:
 def selftest(
     quick: Annotated[bool, typer.Option("--quick", help="three cases instead of the full sweep")] = False,
     seed: Annotated[int, typer.Option(help="seed of the random part of the sweep")] = 7,
+    sanitize: Annotated[bool, typer.Option(
+        "--sanitize", help="also run compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the "
+                           "kernel's launches on this GPU")] = False,
+    sanitize_timeout: Annotated[float, typer.Option(min=1.0, help="time limit of each compute-sanitizer tool, "
+                                                                  "seconds")] = 900.0,
 ) -> None:
     """Check the candidate kernel on this GPU against the fp64 oracle over a shape sweep.
 
     Builds the kernel, compares it with the oracle (and SGLang's Triton kernel when installed), times
-    both, and exits 0 only when every case passes."""
+    both, and exits 0 only when every case passes. --sanitize: and only when compute-sanitizer's four tools
+    find nothing in the kernel's machine code for this GPU."""
     from shadowd.selftest import selftest_main
 
-    raise typer.Exit(selftest_main(quick=quick, seed=seed, echo=typer.echo))
+    raise typer.Exit(selftest_main(quick=quick, seed=seed, echo=typer.echo, sanitize=sanitize,
+                                   sanitize_timeout_s=sanitize_timeout))
 
 
 @app.command()

@@ -148,9 +148,12 @@ def _line(i: int, n: int, r: CaseResult) -> str:
     return f"[{i:2d}/{n}] {status} {r.desc}  {errs}{timing}"
 
 
-def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None] = print) -> int:
+def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None] = print,
+                  sanitize: bool = False, sanitize_timeout_s: float = 900.0) -> int:
     """The CLI: 0 when every case passes on this machine's GPU, 1 when any fails (or the kernel's build targets
-    have no code for this GPU), 2 without CUDA."""
+    have no code for this GPU), 2 without CUDA. ``sanitize``: then also run compute-sanitizer's four tools over the
+    kernel's representative launches on this GPU (:mod:`shadowd.sanitize`, each tool limited to
+    ``sanitize_timeout_s``); 0 only when every tool is clean too."""
     if not torch.cuda.is_available():
         echo("selftest needs a CUDA GPU: run it on the machine the candidate will serve on")
         return 2
@@ -180,4 +183,10 @@ def selftest_main(quick: bool = False, seed: int = 7, echo: Callable[[str], None
     report = run_selftest(mla_tree_verify.tree_verify, "cuda", default_sweep(quick, seed=seed), echo, words=True)
     failed = [r for r in report.results if not r.passed]
     echo(f"{len(report.results) - len(failed)}/{len(report.results)} cases passed on {name}")
-    return 0 if report.passed else 1
+    clean = True
+    if sanitize:
+        from shadowd.sanitize import sanitize as run_sanitizers
+
+        clean = run_sanitizers(echo, timeout_s=sanitize_timeout_s)
+        echo(f"compute-sanitizer on {name}: " + ("every tool clean" if clean else "FAILED (above)"))
+    return 0 if report.passed and clean else 1
