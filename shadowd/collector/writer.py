@@ -295,17 +295,44 @@ class IngestWriter:
             if fut is not None:
                 fut.set_result(out)
         with self._lock:
+            died = w.conn is conn and not self._closed
             if w.conn is conn:
                 w.conn = None
-                if not self._closed:
-                    log.error("ingest writer %d exited (code %s); it is started again for the next batch", w.index,
-                              w.proc.exitcode if w.proc is not None else None)
+            proc = w.proc
             # only this connection's jobs can be pending here: a new connection is made under the lock
             # after this one was dropped, and its jobs are registered under the lock as well
             lost, w.pending = w.pending, {}
         for fut in lost.values():
             fut.set_result(("unavailable", "the ingest writer process exited; retry"))
         answers.close()
+        if died:
+            log.error("ingest writer %d exited (code %s); it is started again for the next batch", w.index,
+                      self._exit_code(proc))
+
+    def _exit_code(self, proc: Any) -> int | None:
+        """The exit code of a writer that has ended (as ``Process.exitcode``: -N for signal N), read without
+        collecting the process.
+
+        ``proc.exitcode`` here collected it (``waitpid``) in this reader thread while another thread may be collecting
+        it too: :meth:`close`'s ``join``, multiprocessing's clean-up of ended children when the next writer starts, a
+        caller's ``join`` or ``is_alive``. multiprocessing's ``Popen.poll`` is not thread-safe (python/cpython#130895):
+        the thread that loses the race gets ECHILD, which it takes for "not started yet", so ``is_alive()`` said True
+        for a writer that had ended. And it polled without waiting, often before the writer was a zombie (its answers
+        pipe closes a moment earlier): the log said "code None". ``waitid(WNOWAIT)`` waits for the end and leaves the
+        collection to the ``Process`` object. Where another thread collected it first (or there is no ``waitid``), the
+        code is what that thread recorded, under the lock for the clean-up at a writer's start; after ECHILD there is
+        nothing left for ``exitcode`` to collect.
+        """
+        waitid = getattr(os, "waitid", None)
+        if waitid is not None:
+            try:
+                res = waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                res = None
+            if res is not None:
+                return int(res.si_status) if res.si_code == os.CLD_EXITED else -int(res.si_status)
+        with self._lock:
+            return proc.exitcode
 
     def __call__(self, job: WriteJob) -> WriteOutcome:
         fut: Future[tuple[str, Any]] = Future()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sqlite3
 import threading
 import time
 
+import pytest
 from sqlalchemy import create_engine, select
 
 from shadowd.collector import tables as t
@@ -70,6 +72,23 @@ def test_a_dead_writer_is_replaced_and_loses_nothing_committed(fresh_sqlite, mak
     assert writer.pids != [pid]
     assert count_rows(fresh_sqlite, t.samples) == 80
     assert c.get(f"/v1/runs/{run_id}").json()["batches"] == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "waitid"), reason="waitid(WNOWAIT) is how the test sees an uncollected child")
+def test_a_writer_that_ended_is_left_to_its_process_object(fresh_sqlite, make_client, caplog):
+    """The reader thread that sees its writer end logs the exit code without collecting the process: a thread in the
+    writer's ``join`` or ``is_alive`` would otherwise lose the race for it, get ECHILD and take it for alive."""
+    c = make_client(fresh_sqlite)
+    proc = c.app.state.shadowd.writer._workers[0].proc
+    with caplog.at_level(logging.ERROR, logger="shadowd.collector"):
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while "ingest writer 0 exited" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "ingest writer 0 exited (code -9)" in caplog.text
+    assert os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None, "collected by the reader"
+    proc.join(5)
+    assert not proc.is_alive() and proc.exitcode == -9
 
 
 def _holding_sqlites_write_lock(db_url: str) -> sqlite3.Connection:
