@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device-side script for the lent H200: `shadowd selftest --sanitize` as a user runs it on the deployment GPU, and
 # the negative control (the real memcheck fails a planted out-of-bounds write in an mtv_-named kernel).
-# Usage (repo root): bash bench/h200_sanitize.sh   (SAN_TIMEOUT: seconds per tool, default 80)
+# Usage (repo root): bash bench/h200_sanitize.sh   (SAN_TIMEOUT: seconds per tool, default 70)
 # Writes logs under $OUT (default ./.device-out) and prints a summary last.
 set -u
 OUT=${OUT:-$PWD/.device-out}
@@ -24,12 +24,12 @@ note "$(compute-sanitizer --version 2>&1 | tail -1)"
 timeout 200 python3 -m mla_tree_verify.build > "$OUT/build.log" 2>&1
 note "build rc=$? $(tail -1 "$OUT/build.log")"
 
-timeout 150 python3 -m pytest tests/cli/test_sanitize.py -q -rs -p no:cacheprovider > "$OUT/control.log" 2>&1
+timeout 120 python3 -m pytest tests/cli/test_sanitize.py -q -rs -p no:cacheprovider > "$OUT/control.log" 2>&1
 note "control (tests/cli/test_sanitize.py) rc=$?: $(tail -1 "$OUT/control.log")"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/control.log" | head -5 >> "$SUMMARY"
 
 t0=$(date +%s)
-timeout 400 python3 -m shadowd selftest --quick --sanitize --sanitize-timeout "${SAN_TIMEOUT:-80}" \
+timeout 330 python3 -m shadowd selftest --quick --sanitize --sanitize-timeout "${SAN_TIMEOUT:-70}" \
   > "$OUT/selftest.log" 2>&1
 note "selftest --quick --sanitize rc=$? in $(( $(date +%s) - t0 )) s"
 cat "$OUT/selftest.log" >> "$SUMMARY"
