@@ -193,6 +193,8 @@ def selftest(
     find nothing in the kernel's machine code for this GPU."""
     from shadowd.selftest import selftest_main
 
+    if sanitize_timeout != sanitize_timeout or sanitize_timeout == float("inf"):  # (click lets NaN and inf through)
+        raise typer.BadParameter(f"{sanitize_timeout} is not a number of seconds", param_hint="'--sanitize-timeout'")
     raise typer.Exit(selftest_main(quick=quick, seed=seed, echo=typer.echo, sanitize=sanitize,
                                    sanitize_timeout_s=sanitize_timeout))
 

@@ -187,6 +187,9 @@ def test_selftest_sanitize_without_a_gpu_refuses(capsys: pytest.CaptureFixture[s
     assert main(["selftest", "--quick", "--sanitize"]) == 2
     assert "selftest needs a CUDA GPU" in capsys.readouterr().out
     assert main(["selftest", "--sanitize=yes"]) == EXIT_USAGE
+    for bad in ("0", "-5", "nan", "inf", "soon"):
+        assert main(["selftest", "--sanitize", "--sanitize-timeout", bad]) == EXIT_USAGE, bad
+        assert "--sanitize-timeout" in capsys.readouterr().err, bad
 
 
 def _host_choice(case: Any, splits: int) -> tuple[str, int | None]:
