@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device-side script for the lent H200: `shadowd selftest --sanitize` as a user runs it on the deployment GPU, and
 # the negative control (the real memcheck fails a planted out-of-bounds write in an mtv_-named kernel).
-# Usage (repo root): bash bench/h200_sanitize.sh   (SAN_TIMEOUT: seconds per tool, default 70)
+# Usage (repo root): bash bench/h200_sanitize.sh   (SAN_TIMEOUT: seconds per tool, default 60)
 # Writes logs under $OUT (default ./.device-out) and prints a summary last.
 set -u
 OUT=${OUT:-$PWD/.device-out}
@@ -29,7 +29,7 @@ note "control (tests/cli/test_sanitize.py) rc=$?: $(tail -1 "$OUT/control.log")"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/control.log" | head -5 >> "$SUMMARY"
 
 t0=$(date +%s)
-timeout 330 python3 -m shadowd selftest --quick --sanitize --sanitize-timeout "${SAN_TIMEOUT:-70}" \
+timeout 300 python3 -m shadowd selftest --quick --sanitize --sanitize-timeout "${SAN_TIMEOUT:-60}" \
   > "$OUT/selftest.log" 2>&1
 note "selftest --quick --sanitize rc=$? in $(( $(date +%s) - t0 )) s"
 cat "$OUT/selftest.log" >> "$SUMMARY"
