@@ -60,6 +60,9 @@ def _call(http: httpx.Client, method: str, path: str, **kw: Any) -> dict[str, An
     # another service at that URL) is an answer without a run
     if resp.status_code in (401, 403, 404, 422) and isinstance(body, dict) and "detail" in body:
         raise _Failed(EXIT_REFUSED, f"HTTP {resp.status_code}: {body['detail']}")
+    if resp.status_code >= 500 and isinstance(body, dict) and "detail" in body:  # its database is away: try again
+        raise _Failed(EXIT_UNREACHABLE, f"collector unavailable, nothing changed: HTTP {resp.status_code}: "
+                                        f"{body['detail']}")
     text = resp.text[:300].strip() or "(empty body)"
     raise _Failed(EXIT_UNREACHABLE, f"HTTP {resp.status_code} without a run (is {resp.url} a shadowd collector?): "
                                     f"{text}")

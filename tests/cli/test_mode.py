@@ -88,6 +88,18 @@ def test_an_unreachable_collector_or_another_service_is_exit_3() -> None:
         assert mode_command("http://elsewhere", 1, "off", client=other, echo=out.append) == EXIT_UNREACHABLE
     assert "without a run (is http://elsewhere/v1/runs/1 a shadowd collector?)" in out[0]
 
+    # the collector's own 503 (its database away) says so, and is retryable (3), not a refusal
+    def db_down(req: httpx.Request) -> httpx.Response:
+        if req.method == "GET":
+            return httpx.Response(200, json={"id": 1, "run_key": "k", "mode_override": None})
+        return httpx.Response(503, json={"detail": {"field": "database", "error": "unavailable"}},
+                              headers={"Retry-After": "5"})
+
+    out.clear()
+    with httpx.Client(base_url="http://c", transport=httpx.MockTransport(db_down)) as down:
+        assert mode_command("http://c", 1, "off", client=down, echo=out.append) == EXIT_UNREACHABLE
+    assert out[0].startswith("ERROR collector unavailable, nothing changed: HTTP 503") and "database" in out[0]
+
 
 def test_a_mode_the_kill_switch_cannot_set_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["mode", "3", "on", "--url", "http://127.0.0.1:9"]) == EXIT_USAGE
