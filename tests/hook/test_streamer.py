@@ -311,22 +311,27 @@ def test_enqueue_never_waits_on_a_collector_that_never_answers(tmp_path: Path) -
     silent.sock.close()
 
 
-def test_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path) -> None:
+def _streaming_on_mode_site(collector: Collector, tmp_path: Path, key: str) -> tuple[int, Any, Streamer, ShadowSite]:
+    """An on-mode site streaming to ``collector`` as run ``key`` (its first call delivered): (run id, runtime,
+    streamer, site)."""
     client = CollectorClient(collector.url, timeout=2.0)
-    run_id = client.register_run(run_body("kill"))["id"]
+    run_id = client.register_run(run_body(key))["id"]
     rt, _ = make_runtime("on", spot_every=1)
     rt.sink = None
     st = Streamer(client, run_id, Spool(tmp_path / "s", 2**20), flush_interval_s=0.05, poll_interval_s=0.2,
                   on_mode_override=rt.set_override, stats=rt.producer_stats)
     rt.streamer = st.start()
     site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
-    x, w = inputs()
-    site(x, w, layer=0)
+    site(*inputs(), layer=0)
     assert st.flush(20) and rt.mode == "on"
+    return int(run_id), rt, st, site
+
+
+def test_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path) -> None:
+    run_id, rt, st, site = _streaming_on_mode_site(collector, tmp_path, "kill")
+    x, w = inputs()
     CollectorClient(collector.url).set_mode(run_id, "validate")
     assert wait_for(lambda: rt.mode == "validate", 20), "the poll brought the kill switch"
-    import torch
-
     assert torch.equal(site(x, w, layer=0), base_fn(x, w))
     CollectorClient(collector.url).set_mode(run_id, "off")
     assert wait_for(lambda: rt.mode == "off", 20)
@@ -338,17 +343,8 @@ def test_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path) -> N
 def test_the_command_lines_kill_switch_reaches_the_hook(collector: Collector, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     # the runbook's rollback step as an operator types it: `shadowd mode RUN validate`, then `clear`
-    client = CollectorClient(collector.url, timeout=2.0)
-    run_id = client.register_run(run_body("kill-cli"))["id"]
-    rt, _ = make_runtime("on", spot_every=1)
-    rt.sink = None
-    st = Streamer(client, run_id, Spool(tmp_path / "s", 2**20), flush_interval_s=0.05, poll_interval_s=0.2,
-                  on_mode_override=rt.set_override, stats=rt.producer_stats)
-    rt.streamer = st.start()
-    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    run_id, rt, st, site = _streaming_on_mode_site(collector, tmp_path, "kill-cli")
     x, w = inputs()
-    site(x, w, layer=0)
-    assert st.flush(20) and rt.mode == "on"
     assert main(["mode", str(run_id), "validate", "--url", collector.url]) == 0
     assert f"run {run_id} (kill-cli): kill switch validate (was none)" in capsys.readouterr().out
     assert wait_for(lambda: rt.mode == "validate", 20), "the kill switch set from the command line reached the hook"
