@@ -73,10 +73,10 @@ def main() -> int:
                                     max_q_len=case.max_q_len, num_splits=splits,
                                     nonfinite_flag=nonfinite)
         torch.cuda.synchronize()
-        is_finite = bool(torch.isfinite(out).all())
-        ok = int(flag.item()) == 0 and (is_finite if finite else not is_finite)
+        is_finite, err = bool(torch.isfinite(out).all()), int(flag.item())
+        ok = err == 0 and (is_finite if finite else not is_finite)
         bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} {case.desc} splits {splits} error_flag {int(flag.item())} "
+        print(f"{'ok ' if ok else 'BAD'} {case.desc} splits {splits} error_flag {err} "
               f"finite {is_finite} nonfinite_flag {int(nonfinite.item())}", flush=True)
     return 1 if bad else 0
 

@@ -133,8 +133,7 @@ def readiness(
     4 request refused (unknown run, bad token). --wait stops early on a NOT_READY that holds for the run."""
     from shadowd.readiness_cli import readiness_command
 
-    if wait != wait or wait == float("inf"):  # (click's range check lets NaN and inf through)
-        raise typer.BadParameter(f"{wait} is not a number of seconds", param_hint="'--wait'")
+    _check_seconds(wait, "'--wait'")
     _check_url(url)
     raise typer.Exit(readiness_command(url, run, wait, token, expect_fingerprint=expect_fingerprint))
 
@@ -161,6 +160,13 @@ def mode(
         raise typer.BadParameter(f"{to!r} is not one of {', '.join(CHOICES)}{why}", param_hint="'MODE'")
     _check_url(url)
     raise typer.Exit(mode_command(url, run, to, token, echo=typer.echo))
+
+
+def _check_seconds(value: float, hint: str) -> None:
+    """A finite number of seconds, else a usage error naming the option (click's range check lets NaN and inf
+    through)."""
+    if value != value or value == float("inf"):
+        raise typer.BadParameter(f"{value} is not a number of seconds", param_hint=hint)
 
 
 def _check_url(url: str) -> None:
@@ -193,8 +199,7 @@ def selftest(
     find nothing in the kernel's machine code for this GPU."""
     from shadowd.selftest import selftest_main
 
-    if sanitize_timeout != sanitize_timeout or sanitize_timeout == float("inf"):  # (click lets NaN and inf through)
-        raise typer.BadParameter(f"{sanitize_timeout} is not a number of seconds", param_hint="'--sanitize-timeout'")
+    _check_seconds(sanitize_timeout, "'--sanitize-timeout'")
     raise typer.Exit(selftest_main(quick=quick, seed=seed, echo=typer.echo, sanitize=sanitize,
                                    sanitize_timeout_s=sanitize_timeout))
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from shadowd.readiness_cli import EXIT_REFUSED, EXIT_UNREACHABLE
+from shadowd.readiness_cli import EXIT_UNREACHABLE, answer_error
 
 __all__ = ["CHOICES", "EXIT_OK", "describe", "mode_command"]
 
@@ -56,16 +56,7 @@ def _call(http: httpx.Client, method: str, path: str, **kw: Any) -> dict[str, An
         body = None
     if resp.status_code == 200 and isinstance(body, dict) and "id" in body:
         return body
-    # refused by a collector: its errors are JSON with a ``detail``; the same status from anything else (a proxy,
-    # another service at that URL) is an answer without a run
-    if resp.status_code in (401, 403, 404, 422) and isinstance(body, dict) and "detail" in body:
-        raise _Failed(EXIT_REFUSED, f"HTTP {resp.status_code}: {body['detail']}")
-    if resp.status_code >= 500 and isinstance(body, dict) and "detail" in body:  # its database is away: try again
-        raise _Failed(EXIT_UNREACHABLE, f"collector unavailable, nothing changed: HTTP {resp.status_code}: "
-                                        f"{body['detail']}")
-    text = resp.text[:300].strip() or "(empty body)"
-    raise _Failed(EXIT_UNREACHABLE, f"HTTP {resp.status_code} without a run (is {resp.url} a shadowd collector?): "
-                                    f"{text}")
+    raise _Failed(*answer_error(resp, body, "a run"))
 
 
 def describe(run: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ __all__ = [
     "EXIT_READY",
     "EXIT_REFUSED",
     "EXIT_UNREACHABLE",
+    "answer_error",
     "fetch_readiness",
     "format_report",
     "readiness_command",
@@ -72,13 +73,22 @@ def fetch_readiness(client: httpx.Client, run_id: int | None) -> tuple[int, dict
         body = None
     if resp.status_code in (200, 503) and isinstance(body, dict) and body.get("verdict") in EXIT_CODES:
         return EXIT_CODES[body["verdict"]], body
-    # refused by a collector: its errors are JSON with a ``detail``; the same status from anything else (a proxy,
-    # another service at that URL) is an answer without a verdict
-    if resp.status_code in (401, 403, 404, 422) and isinstance(body, dict) and "detail" in body:
-        return EXIT_REFUSED, {"error": f"HTTP {resp.status_code}: {body['detail']}"}
+    code, message = answer_error(resp, body, "a verdict")
+    return code, {"error": message}
+
+
+def answer_error(resp: httpx.Response, body: Any, wanted: str) -> tuple[int, str]:
+    """(exit code, line) for an answer that is not the ``wanted`` one (``a verdict``, ``a run``), for every command
+    that asks the collector: its own refusal (JSON with a ``detail``: unknown run, token) is EXIT_REFUSED; its own
+    5xx (its database away) and any answer that is not the collector's (a proxy, another service at that URL, the
+    same status without a ``detail``) are EXIT_UNREACHABLE, worth trying again."""
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if resp.status_code in (401, 403, 404, 422) and detail is not None:
+        return EXIT_REFUSED, f"HTTP {resp.status_code}: {detail}"
+    if resp.status_code >= 500 and detail is not None:
+        return EXIT_UNREACHABLE, f"collector unavailable: HTTP {resp.status_code}: {detail}"
     text = resp.text[:300].strip() or "(empty body)"
-    return EXIT_UNREACHABLE, {"error": f"HTTP {resp.status_code} without a verdict (is {resp.url} a shadowd "
-                                       f"collector?): {text}"}
+    return EXIT_UNREACHABLE, f"HTTP {resp.status_code} without {wanted} (is {resp.url} a shadowd collector?): {text}"
 
 
 def format_report(body: dict[str, Any]) -> str:
