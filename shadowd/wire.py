@@ -14,6 +14,7 @@ A batch is a mapping::
       "producer_stats": {...},      # optional: spool depth, drops, fallback state (PRODUCER_STATS)
       "producer_notes": {...},      # optional: why the candidate was disabled / fell back (PRODUCER_NOTES)
       "rank": 3,                    # optional, stats-only batches: the producer's rank
+      "stage": 1,                   # optional: the producer's pipeline stage (PP rank); absent means 0
       "samples": {"layer": [...], "rank": [...], ...},
     }
 
@@ -27,6 +28,12 @@ collector files the figures under the rank of the producer's earlier samples; a 
 stored (all dropped on the way) is filed under the batch's ``rank`` (422 naming ``rank`` when it is not below the
 run's ``tp_size``), and without one gets a 422 naming ``producer``. A batch with neither samples nor figures is
 refused as before.
+
+**Pipeline stages.** Under pipeline parallelism every stage runs other layers with the same TP ranks, so a
+producer is known by (stage, rank). A producer of stage s > 0 states ``"stage": s`` in every batch; the collector
+keeps each stage's producer figures (drops, fallback, disabled candidate, spool depth, clock offset) apart
+instead of letting the latest producer of a rank hide another stage's. Samples carry no stage: their layer
+places them.
 
 **Packed columns.** In msgpack, a numeric column may also travel *packed*: one ``bin`` value
 holding the n entries as little-endian int64 (``int`` columns) or float64 (``float`` columns),

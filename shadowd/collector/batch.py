@@ -71,6 +71,8 @@ class ValidBatch:
     producer_notes: dict[str, str] = field(default_factory=dict)
     #: the producer's rank as the batch states it (``rank``: stats-only batches; the samples name their own)
     rank: int | None = None
+    #: the producer's pipeline stage as the batch states it (0 when absent)
+    stage: int = 0
     #: ``hist`` in its stored form (shadowd.collector.histblob), one row per sample
     stored_hist: np.ndarray | None = field(default=None, repr=False, compare=False)
     #: the decoded ``samples`` mapping as received (only for :meth:`legacy_digest`; not sent anywhere)
@@ -286,8 +288,12 @@ def parse_batch(body: Any) -> ValidBatch:
     rank = body.get("rank")  # (wire: a stats-only batch's rank, for a producer whose samples were never stored)
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= I32):
         raise BadBatch("rank", f"must be an integer between 0 and {I32}")
+    stage = body.get("stage", 0)  # (wire: a pipeline stage's producer states its stage; absent: 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= I32:
+        raise BadBatch("stage", f"must be an integer between 0 and {I32}")
     for key in body:
-        if key not in {"producer", "seq", "samples", "content_hash", "producer_stats", "producer_notes", "rank"}:
+        if key not in {"producer", "seq", "samples", "content_hash", "producer_stats", "producer_notes", "rank",
+                       "stage"}:
             raise BadBatch(str(key), "unknown field")
     stats = _producer_stats(body.get("producer_stats"))
     notes = _producer_notes(body.get("producer_notes"))
@@ -360,6 +366,7 @@ def parse_batch(body: Any) -> ValidBatch:
         producer_stats=stats,
         producer_notes=notes,
         rank=rank,
+        stage=stage,
         stored_hist=stored_hist,
         raw=raw,
     )

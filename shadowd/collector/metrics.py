@@ -6,11 +6,11 @@ Two kinds, on one injectable registry:
   and exceeding calls) — per collector process;
 * series read from the database at scrape time (per-layer histograms of per-call
   max-abs / rel-L2 / cosine difference, coverage per layer and per shape bucket, device time,
-  producer health of each rank's latest producer, last-ingest time) — so they survive restarts,
+  producer health of the latest producer of each (pipeline stage, rank), last-ingest time) — so they survive restarts,
   cost nothing per sample, and agree between two collectors sharing one database (aggregate those
   with ``max``, not ``sum``).
 
-Labels are bounded: ``run`` (run id), ``candidate``, ``layer``, ``rank``, ``bucket`` — never
+Labels are bounded: ``run`` (run id), ``candidate``, ``layer``, ``stage``, ``rank``, ``bucket`` — never
 per step or per request; only runs with an ingest in the last ``metrics_active_hours``.
 """
 
@@ -77,7 +77,7 @@ class CollectorMetrics:
         self.clock_offset = Gauge(
             "shadowd_producer_clock_offset_seconds",
             "Collector receive time minus the producer's send stamp of its latest batch (positive: the producer's "
-            "clock is behind, plus the network's time)", ["run", "rank"], registry=registry)
+            "clock is behind, plus the network's time)", ["run", "stage", "rank"], registry=registry)
 
     def declare_run(self, run_id: int, num_layers: int) -> None:
         """Make a run's per-run and per-layer event counters at 0 before its first batch (at its registration, and
@@ -101,9 +101,10 @@ class CollectorMetrics:
             self.exceeded.labels(run, str(layer)).inc(exceeded_by.get(layer, 0))
             self.nonfinite.labels(run, str(layer)).inc(nonfinite_by.get(layer, 0))
 
-    def observe_clock(self, run_id: int, rank: int, offset_s: float) -> None:
-        """A rank's clock offset, from the send stamp of the batch just received (``shadowd.wire.SENT_AT_HEADER``)."""
-        self.clock_offset.labels(str(run_id), str(rank)).set(offset_s)
+    def observe_clock(self, run_id: int, rank: int, offset_s: float, stage: int = 0) -> None:
+        """A (stage, rank)'s clock offset, from the send stamp of the batch just received
+        (``shadowd.wire.SENT_AT_HEADER``)."""
+        self.clock_offset.labels(str(run_id), str(stage), str(rank)).set(offset_s)
 
     def set_verdict(self, run_id: int, candidate: str, verdict: str, changed: bool) -> None:
         run = str(run_id)
@@ -243,12 +244,13 @@ class RollupExporter(Collector):
                 passes.add_metric([str(run_id), mode], s["verify_passes"])
         yield from (accept, passes)
         # a rank has a new producer after each restart: its latest (the one that started last) is the rank's
-        # state now; an earlier process's figures (a candidate it disabled, say) would otherwise stay forever
-        latest: dict[tuple[int, int], dict[str, Any]] = {}
+        # state now; an earlier process's figures (a candidate it disabled, say) would otherwise stay forever.
+        # Pipeline stages share TP ranks while both live: each (stage, rank) has its own latest producer
+        latest: dict[tuple[int, int, int], dict[str, Any]] = {}
         for p in sorted(prods, key=lambda p: (p["first_seen"], p["last_seen"])):
-            latest[(p["run_id"], p["rank"])] = p
+            latest[(p["run_id"], int(p.get("stage") or 0), p["rank"])] = p
         for col, (name, doc) in specs.items():
-            fam = GaugeMetricFamily(name, doc, labels=["run", "rank"])
-            for (run_id, rank), p in sorted(latest.items()):
-                fam.add_metric([str(run_id), str(rank)], float(p[col]))
+            fam = GaugeMetricFamily(name, doc, labels=["run", "stage", "rank"])
+            for (run_id, stage, rank), p in sorted(latest.items()):
+                fam.add_metric([str(run_id), str(stage), str(rank)], float(p[col]))
             yield fam

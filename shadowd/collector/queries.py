@@ -36,17 +36,18 @@ def run_row(engine: Engine, run_id: int | None) -> dict[str, Any]:
 
 def producers_of(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        rows = conn.execute(select(t.producers).where(t.producers.c.run_id == run_id).order_by(t.producers.c.rank))
+        rows = conn.execute(select(t.producers).where(t.producers.c.run_id == run_id)
+                            .order_by(t.producers.c.stage, t.producers.c.rank, t.producers.c.first_seen))
         return [dict(r) for r in rows.mappings()]
 
 
 def producer_notes(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """The producers of a run whose candidate was disabled or fell back (flag or reason reported), by rank."""
+    """The producers of a run whose candidate was disabled or fell back (flag or reason reported), by (stage, rank)."""
     p = t.producers.c
-    q = (select(p.rank, p.producer, p.disabled_reason, p.fallback_reason)
+    q = (select(p.stage, p.rank, p.producer, p.disabled_reason, p.fallback_reason)
          .where(p.run_id == run_id, (p.disabled > 0) | (p.fallback > 0) | (p.disabled_reason.is_not(None))
                 | (p.fallback_reason.is_not(None)))
-         .order_by(p.rank, p.first_seen))
+         .order_by(p.stage, p.rank, p.first_seen))
     with engine.connect() as conn:
         return [dict(r) for r in conn.execute(q).mappings()]
 
@@ -140,10 +141,18 @@ def speculative_of(producers: list[dict[str, Any]]) -> dict[str, dict[str, float
     """SGLang's speculative accept length per hook mode, from producers' cumulative counters.
 
     Every TP rank sees the same verify batches, so rank 0's producers are counted (all producers
-    when no rank 0 reported). ``accept_length`` = accepted tokens / request-steps (SGLang's
-    "accept len"); ``tokens_per_step`` = accepted tokens / verify passes. Modes with no pass are left out.
+    when no rank 0 reported) — of one pipeline stage: the stage that counted the most verify passes (under
+    pipeline parallelism each stage's scheduler may count the same steps). ``accept_length`` = accepted tokens /
+    request-steps (SGLang's "accept len"); ``tokens_per_step`` = accepted tokens / verify passes. Modes with no
+    pass are left out.
     """
     rank0 = [p for p in producers if p["rank"] == 0] or producers
+    by_stage: dict[int, list[dict[str, Any]]] = {}
+    for p in rank0:
+        by_stage.setdefault(int(p.get("stage") or 0), []).append(p)
+    if by_stage:
+        rank0 = max(by_stage.items(), key=lambda kv: (sum(int(p[f"spec_passes_{m}"]) for p in kv[1]
+                                                          for m in SPEC_MODES), -kv[0]))[1]
     out: dict[str, dict[str, float]] = {}
     for mode in SPEC_MODES:
         tokens = sum(int(p[f"spec_accept_tokens_{mode}"]) for p in rank0)

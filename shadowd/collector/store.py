@@ -80,6 +80,8 @@ class WriteJob:
     producer_notes: dict[str, str] = field(default_factory=dict)
     #: the rank a stats-only batch states (used when the collector has stored none of the producer's samples)
     rank: int | None = None
+    #: the producer's pipeline stage (0: none stated)
+    stage: int = 0
     #: SQLite: the samples' INSERT (``{batch_id}`` in place of the batch id), the columns its rows bind, and
     #: (in-process writes) the rows, built before the transaction
     sample_sql: str | None = None
@@ -238,12 +240,13 @@ class Store:
         if b.n == 0:  # a stats-only batch (shadowd.wire): nothing for the rollups or the samples table
             return WriteJob(run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n=0, cols={}, deltas=None,
                             producer_stats=b.producer_stats, now=time.time(), producer_notes=b.producer_notes,
-                            rank=b.rank)
+                            rank=b.rank, stage=b.stage)
         d = compute_deltas(run_id, b, self.policy, self.time_bucket_s)
         cols = (sample_values(b.cols, d.exceeded, b.stored_hist) if self.store_samples
                 else {"layer": b.cols["layer"], "rank": b.cols["rank"]})
         job = WriteJob(run_id=run_id, producer=b.producer, seq=b.seq, digest=b.digest, n=b.n, cols=cols,
-                       deltas=d, producer_stats=b.producer_stats, now=time.time(), producer_notes=b.producer_notes)
+                       deltas=d, producer_stats=b.producer_stats, now=time.time(), producer_notes=b.producer_notes,
+                       stage=b.stage)
         if self.store_samples and self.dialect != "postgresql":
             job.sample_sql, job.sample_cols = sqlite_plan(cols, b.n)
             job.cols = {k: cols[k] for k in {"layer", "rank", *job.sample_cols}}
@@ -418,8 +421,8 @@ class Store:
         if sql is None:
             m = "%s" if self.dialect == "postgresql" else "?"
             hi = "GREATEST" if self.dialect == "postgresql" else "MAX"
-            cols = ("run_id", "producer", "rank", "max_seq", "batches", "gaps", "samples", "first_seen", "last_seen",
-                    *PRODUCER_STATS, *PRODUCER_NOTES)
+            cols = ("run_id", "producer", "rank", "stage", "max_seq", "batches", "gaps", "samples", "first_seen",
+                    "last_seen", *PRODUCER_STATS, *PRODUCER_NOTES)
             p, x = "producers", "excluded"
             # gaps: a jump past max_seq + 1 opens gaps; a late batch below max_seq fills one. No intermediate
             # passes int64 whatever the seqs: max_seq + 1 could, seq - 1 cannot; gaps + seq could, gaps + the
@@ -432,6 +435,7 @@ class Store:
                 f"samples = {p}.samples + {x}.samples",
                 f"last_seen = {x}.last_seen",
                 f"rank = {x}.rank",
+                f"stage = {x}.stage",
             ]
             # figures a producer reports are cumulative or sticky (drops, errors, fallback, spec counters):
             # keep the largest, so a late re-delivered batch cannot move them back; the spool depth is a
@@ -449,7 +453,8 @@ class Store:
         now = job.now
         stats = [job.producer_stats.get(k, 0) for k in PRODUCER_STATS]
         notes = [job.producer_notes.get(k) for k in PRODUCER_NOTES]
-        cur.execute(sql, (job.run_id, job.producer, rank, job.seq, 1, job.seq, job.n, now, now, *stats, *notes))
+        cur.execute(sql, (job.run_id, job.producer, rank, job.stage, job.seq, 1, job.seq, job.n, now, now, *stats,
+                          *notes))
         return int(cur.fetchone()[0])
 
     def sample_insert(self, job: WriteJob, batch_id: int) -> tuple[str, Any]:

@@ -103,6 +103,8 @@ producers = Table(
     Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("producer", String(64), primary_key=True),
     Column("rank", Integer, nullable=False, server_default="0"),
+    # the pipeline stage (PP rank): stages share TP ranks, so a producer's figures are kept per (stage, rank)
+    Column("stage", Integer, nullable=False, server_default="0"),
     Column("max_seq", BigInteger, nullable=False),
     _counter("batches"),
     _counter("gaps"),

@@ -16,6 +16,7 @@
 | ``SHADOWD_MAX_DRAFT_TOKENS`` / ``SHADOWD_MAX_PREFIX_LEN`` | on-mode coverage (else baseline) | unbounded |
 | ``SHADOWD_ORACLE_CHUNK_ROWS`` | query rows per chunk of the oracle (bounds its memory at long prefixes) | ``64`` |
 | ``SHADOWD_RANK`` (else ``RANK``) | this process's rank, outside SGLang (the SGLang plugin uses the TP rank) | ``0`` |
+| ``SHADOWD_STAGE`` | this process's pipeline stage, outside SGLang (the SGLang plugin uses the PP rank) | ``0`` |
 | ``SHADOWD_GATE_RUN`` | on mode: serve the candidate once this validate run is READY for it (``hook.gate``) | none |
 """
 
@@ -127,6 +128,9 @@ class HookConfig:
     token: str | None = None
     run_key: str | None = None
     rank: int = 0
+    #: the pipeline stage (PP rank): stages run different layers under the same TP ranks, so a producer is
+    #: known by (stage, rank) — its spool directory and the collector's producer figures are kept per stage
+    stage: int = 0
     spool_dir: Path = field(default_factory=lambda: Path.home() / ".shadowd" / "spool")
     spool_max_bytes: int = 256 * 2**20
     queue_max: int = 100_000
@@ -171,6 +175,7 @@ class HookConfig:
             token=e.get("SHADOWD_TOKEN") or None,
             run_key=e.get("SHADOWD_RUN_KEY") or None,
             rank=_int(e, "SHADOWD_RANK", _int(e, "RANK", 0, minimum=0), minimum=0),
+            stage=_int(e, "SHADOWD_STAGE", 0, minimum=0),
             spool_dir=Path(spool) if spool else Path.home() / ".shadowd" / "spool",
             spool_max_bytes=_int(e, "SHADOWD_SPOOL_MAX_MB", 256, minimum=0) * 2**20,
             queue_max=_int(e, "SHADOWD_QUEUE_MAX", 100_000, minimum=1),

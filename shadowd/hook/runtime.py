@@ -238,11 +238,11 @@ class HookRuntime:
         self.set_override(answer.get("mode_override"))
         self.start_gate(client, body)
         producer = uuid.uuid4().hex
-        spool = Spool(spool_dir(cfg.spool_dir, body["run_key"], cfg.rank, producer), cfg.spool_max_bytes)
+        spool = Spool(spool_dir(cfg.spool_dir, body["run_key"], cfg.rank, producer, cfg.stage), cfg.spool_max_bytes)
         streamer = Streamer(client, self.run_id, spool, producer=producer, queue_max=cfg.queue_max,
                             batch_max=cfg.batch_max, flush_interval_s=cfg.flush_interval_s,
                             poll_interval_s=cfg.poll_interval_s, on_mode_override=self.set_override,
-                            stats=self.producer_stats, notes=self.producer_notes, rank=cfg.rank)
+                            stats=self.producer_stats, notes=self.producer_notes, rank=cfg.rank, stage=cfg.stage)
         if self._device is not None:
             streamer.pollers.append(self._device.poll)
         self.streamer = streamer.start()

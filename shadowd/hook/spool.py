@@ -23,11 +23,13 @@ __all__ = ["PENDING_RUN", "Spool", "SpoolEntry", "spool_dir"]
 PENDING_RUN = 0
 
 
-def spool_dir(root: Path, run_key: str | None, rank: int, producer: str = "") -> Path:
-    """The spool directory of one run key's rank under ``root`` (``SHADOWD_SPOOL_DIR``): everything in it belongs
-    to that run. Without a run key (every registration a new run) it is the producer's own."""
+def spool_dir(root: Path, run_key: str | None, rank: int, producer: str = "", stage: int = 0) -> Path:
+    """The spool directory of one run key's (stage, rank) under ``root`` (``SHADOWD_SPOOL_DIR``): everything in it
+    belongs to that run and to one live process at a time. Pipeline stages share TP ranks (and, on one host, the
+    spool root), so a stage above 0 has a directory of its own; stage 0's is ``rank<r>``, as before stages were
+    told apart. Without a run key (every registration a new run) it is the producer's own."""
     name = hashlib.sha256(run_key.encode()).hexdigest()[:12] if run_key else f"producer-{producer}"
-    return Path(root) / name / f"rank{rank}"
+    return Path(root) / name / (f"stage{stage}-rank{rank}" if stage else f"rank{rank}")
 
 
 class SpoolEntry:

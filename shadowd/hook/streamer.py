@@ -73,11 +73,13 @@ BUG_TRIES = 8
 
 def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
                 producer_stats: dict[str, int] | None = None, packed: bool = True,
-                producer_notes: dict[str, str] | None = None, rank: int | None = None) -> dict[str, Any]:
+                producer_notes: dict[str, str] | None = None, rank: int | None = None,
+                stage: int = 0) -> dict[str, Any]:
     """A wire batch (``shadowd.wire``) of ``samples`` (dicts keyed by column name).
 
     Numeric columns are packed (``packed=False``: lists, the same content for the collector). A stats-only batch
-    (no samples) states the producer's ``rank`` when given.
+    (no samples) states the producer's ``rank`` when given; every batch of a producer of pipeline stage > 0 states
+    its ``stage``.
     """
     cols: dict[str, Any] = {}
     for col in COLUMNS if samples else ():  # (none: a stats-only batch, ``samples`` {})
@@ -100,6 +102,8 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
     batch: dict[str, Any] = {"producer": producer, "seq": seq, "samples": cols}
     if not samples and rank is not None:
         batch["rank"] = rank
+    if stage:
+        batch["stage"] = stage
     if producer_stats:
         batch["producer_stats"] = producer_stats
     notes = {k: v[:PRODUCER_NOTE_MAX] for k, v in (producer_notes or {}).items() if k in PRODUCER_NOTES and v}
@@ -125,11 +129,15 @@ class Streamer:
                  producer: str | None = None,
                  on_mode_override: Callable[[str | None], None] | None = None,
                  stats: Callable[[], dict[str, int]] | None = None,
-                 notes: Callable[[], dict[str, str]] | None = None, rank: int | None = None) -> None:
+                 notes: Callable[[], dict[str, str]] | None = None, rank: int | None = None,
+                 stage: int = 0) -> None:
         self.client = client
         #: the producer's rank, stated in its stats-only batches: the collector files their figures under it when
         #: none of the producer's samples was stored (every one dropped); None: such a producer sends none
         self.rank = rank
+        #: the producer's pipeline stage (PP rank), stated in every batch when above 0: the collector keeps the
+        #: figures of the stages that share a TP rank apart
+        self.stage = stage
         self.run_id = run_id
         self.spool = spool
         self.producer = producer or uuid.uuid4().hex
@@ -357,7 +365,8 @@ class Streamer:
     def _encode(self, seq: int, samples: list[dict[str, Any]]) -> bytes:
         stats, notes = self.producer_stats(), self.notes() if self.notes else {}
         self._encoded = _health(stats, notes)
-        return encode_msgpack(build_batch(self.producer, seq, samples, stats, producer_notes=notes, rank=self.rank))
+        return encode_msgpack(build_batch(self.producer, seq, samples, stats, producer_notes=notes, rank=self.rank,
+                                              stage=self.stage))
 
     def _ship(self, samples: list[dict[str, Any]]) -> None:
         with self._lock:

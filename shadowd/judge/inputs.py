@@ -56,8 +56,9 @@ class RunRollups:
     - ``errors``: candidate errors per kind (the samples' ``error`` marker → count), from rollup_errors.
     - ``ranks``: rows of rollup_ranks — per (rank, layer): ``n`` calls that compared something, ``n_empty``
       calls that compared nothing (stored, no evidence), first_ts, last_ts.
-    - ``producers``: the run's producer rows (one per process; a restarted rank is a new producer): rank,
-      producer, disabled, fallback, disabled_reason, fallback_reason, first_seen, last_seen, ...
+    - ``producers``: the run's producer rows (one per process; a restarted rank is a new producer): stage
+      (pipeline stage, 0 without pipeline parallelism), rank, producer, disabled, fallback, disabled_reason,
+      fallback_reason, first_seen, last_seen, ...
     """
 
     run: dict[str, Any]

@@ -7,9 +7,9 @@ to have ``min_cell_samples`` compared calls in every layer (from rollup_ranks). 
 
 A producer (one process of a rank) that disabled its candidate or whose on mode fell back to the baseline saw the
 candidate fail, even when the samples that showed it were dropped on the way (a full spool) or never sent: the
-``producers`` criterion fails, naming the rank and the producer's own note. Every producer of the run counts,
-also one whose rank has restarted since (a restarted process is a new producer): like a hard failure, it holds
-for the rest of the run.
+``producers`` criterion fails, naming the rank (and the pipeline stage, above 0) and the producer's own note.
+Every producer of the run counts, also one whose rank has restarted since (a restarted process is a new
+producer): like a hard failure, it holds for the rest of the run.
 """
 
 from __future__ import annotations
@@ -64,18 +64,21 @@ def producers(r: RunRollups, p: Policy) -> Criterion:
     """No producer of the run disabled its candidate or fell back to the baseline (sticky for the run)."""
     lines: list[str] = []
     flagged: list[dict[str, Any]] = []
-    for row in sorted(r.producers, key=lambda x: (int(x.get("rank") or 0), float(x.get("first_seen") or 0.0))):
+    for row in sorted(r.producers, key=lambda x: (int(x.get("stage") or 0), int(x.get("rank") or 0),
+                                                  float(x.get("first_seen") or 0.0))):
         disabled = bool(row.get("disabled")) or row.get("disabled_reason") is not None
         fallback = bool(row.get("fallback")) or row.get("fallback_reason") is not None
         if not (disabled or fallback):
             continue
-        who = f"rank {int(row.get('rank') or 0)} (producer {str(row.get('producer', ''))[:12]})"
+        stage = int(row.get("stage") or 0)
+        who = (f"{f'stage {stage} ' if stage else ''}rank {int(row.get('rank') or 0)} "
+               f"(producer {str(row.get('producer', ''))[:12]})")
         if disabled:
             lines.append(f"{who}: candidate disabled: {row.get('disabled_reason') or 'no reason reported'}")
         if fallback:
             lines.append(f"{who}: on mode fell back to the baseline: "
                          f"{row.get('fallback_reason') or 'no reason reported'}")
-        flagged.append({k: row.get(k) for k in ("rank", "producer", "disabled_reason", "fallback_reason")})
+        flagged.append({k: row.get(k) for k in ("stage", "rank", "producer", "disabled_reason", "fallback_reason")})
     observed = {"producers": len(r.producers), "gave_up": len(flagged)}
     if lines:
         return Criterion("producers", FAIL, observed, {"gave_up": 0}, "; ".join(lines), extra={"flagged": flagged})

@@ -106,12 +106,13 @@ def _replica(p: Any, model_runner: Any) -> tuple[int, int]:
     return rank, size
 
 
-def _parallel(model_runner: Any) -> tuple[int, int]:
-    """(rank, ranks): this worker's place among the workers of the launch that each run every layer's verify on a
-    shard of their own — its TP rank, and across the replicas of ``--dp-size N`` (each a TP group of its own, with
-    TP ranks counted from 0) replica × tp_size + TP rank, so that no two live workers of a launch report under
-    one rank (a rank's producer figures are its latest producer's; a second worker under the same rank would hide
-    the first's). Pipeline stages keep their TP rank: each runs other layers, and per-layer coverage stays apart."""
+def _parallel(model_runner: Any) -> tuple[int, int, int]:
+    """(rank, ranks, stage): this worker's place among the workers of the launch that each run every layer's verify
+    on a shard of their own — its TP rank, and across the replicas of ``--dp-size N`` (each a TP group of its own,
+    with TP ranks counted from 0) replica × tp_size + TP rank, so that no two live workers of one stage report under
+    one rank — and its pipeline stage (PP rank, 0 without ``--pp-size``). Pipeline stages keep their TP rank: each
+    runs other layers, so per-(rank, layer) coverage stays apart; the collector keeps their producer figures apart
+    by the stage (a rank's figures per stage are its latest producer's)."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -122,7 +123,20 @@ def _parallel(model_runner: Any) -> tuple[int, int]:
         tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
         tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
     replica, replicas = _replica(p, model_runner)
-    return replica * tp_size + tp_rank, replicas * tp_size
+    return replica * tp_size + tp_rank, replicas * tp_size, _stage(p, model_runner)
+
+
+def _stage(p: Any, model_runner: Any) -> int:
+    # the PP rank: SGLang's parallel context, else the model runner's own (0 when neither says, or says nonsense)
+    for source in (p, model_runner):
+        try:
+            rank, size = getattr(source, "pp_rank", None), getattr(source, "pp_size", None)
+        except Exception:
+            continue
+        if isinstance(rank, int) and not isinstance(rank, bool) and (
+                not isinstance(size, int) or 0 <= rank < size):
+            return max(0, rank)
+    return 0
 
 
 class ProcessSetup:
@@ -147,12 +161,16 @@ class ProcessSetup:
             if self.runtime is not None:
                 return self.runtime
             config = HookConfig.from_env(self.env)
-            rank, tp_size = _parallel(model_runner)
+            rank, tp_size, stage = _parallel(model_runner)
             if self.env.get("SHADOWD_RANK", str(rank)).strip() != str(rank):
                 # (one value for every worker of a launch would merge all ranks into one producer and spool)
                 log.warning("shadowd: SHADOWD_RANK=%s ignored under SGLang: this worker reports its own rank %d",
                             self.env["SHADOWD_RANK"], rank)
+            if self.env.get("SHADOWD_STAGE", str(stage)).strip() != str(stage):
+                log.warning("shadowd: SHADOWD_STAGE=%s ignored under SGLang: this worker reports its own pipeline "
+                            "stage %d", self.env["SHADOWD_STAGE"], stage)
             config.rank = rank
+            config.stage = stage
             device = str(getattr(model_runner, "device", "cuda"))
             check_graph_safety(config, device.startswith("cuda") and decode_graphs_enabled(model_runner), self.env)
             rt = HookRuntime(config)
@@ -162,8 +180,8 @@ class ProcessSetup:
             layers = int(getattr(mc, "num_hidden_layers", 0) or getattr(getattr(mc, "hf_text_config", None),
                                                                           "num_hidden_layers", 1) or 1)
             model = str(getattr(mc, "model_path", "") or "unknown")
-            log.warning("shadowd: SGLang plugin active: mode %s, rank %d/%d, %d layers", config.mode, rank, tp_size,
-                        layers)
+            log.warning("shadowd: SGLang plugin active: mode %s, rank %d/%d%s, %d layers", config.mode, rank, tp_size,
+                        f", pipeline stage {stage}" if stage else "", layers)
             nnodes = int(getattr(getattr(model_runner, "server_args", None), "nnodes", 1) or 1)
             if config.url and nnodes > 1 and not self.env.get("SHADOWD_RUN_KEY"):
                 # the default key is per host (and systemd's INVOCATION_ID per node's unit): each node would
@@ -191,14 +209,15 @@ class ProcessSetup:
         client = CollectorClient(cfg.url, cfg.token, timeout=cfg.http_timeout_s)
         # a directory per run key and rank: what is spooled there belongs to that run (a worker restarted under the
         # same SHADOWD_RUN_KEY replays what the last one left); another launch's batches are never in it
-        spool = Spool(spool_dir(cfg.spool_dir, fields["run_key"], cfg.rank), cfg.spool_max_bytes)
+        spool = Spool(spool_dir(cfg.spool_dir, fields["run_key"], cfg.rank, stage=cfg.stage), cfg.spool_max_bytes)
 
         def stats() -> dict[str, int]:
             return {**rt.producer_stats(), **self.spec.producer_stats(PRODUCER_STATS)}
 
         streamer = Streamer(client, PENDING_RUN, spool, queue_max=cfg.queue_max, batch_max=cfg.batch_max,
                             flush_interval_s=cfg.flush_interval_s, poll_interval_s=cfg.poll_interval_s,
-                            on_mode_override=rt.set_override, stats=stats, notes=rt.producer_notes, rank=cfg.rank)
+                            on_mode_override=rt.set_override, stats=stats, notes=rt.producer_notes, rank=cfg.rank,
+                            stage=cfg.stage)
         streamer.pollers.append(lambda: rt._device.poll() if rt._device is not None else [])
         # started at once: until the run is registered (the collector may be down) batches go to the spool
         rt.streamer = streamer.start()

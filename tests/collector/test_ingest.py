@@ -342,6 +342,22 @@ def test_speculative_accept_length_per_mode(db_url, make_client):
     assert reg.get_sample_value("shadowd_spec_verify_passes_total", {"run": str(run_id), "mode": "validate"}) == 25
 
 
+def test_speculative_counters_of_pipeline_stages_are_not_added_up(db_url, make_client):
+    """Under --pp-size each stage's scheduler may count the same verify steps under TP rank 0: one stage is
+    counted (the one with the most passes), never their sum, and a stage that counts nothing changes nothing."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=1))
+    counts = {"spec_accept_tokens_validate": 300, "spec_req_steps_validate": 100, "spec_passes_validate": 25}
+    for stage, producer, stats in ((0, "s0", {}), (1, "s1", counts), (2, "s2", counts)):
+        b = {**make_batch(8, producer=producer), "producer_stats": stats or {"dropped": 0}}
+        if stage:
+            b["stage"] = stage
+        assert post_msgpack(c, run_id, b).status_code == 200
+    spec = c.get(f"/v1/runs/{run_id}").json()["speculative"]
+    assert spec["validate"]["verify_passes"] == 25 and spec["validate"]["request_steps"] == 100
+    assert spec["validate"]["accept_length"] == 3.0
+
+
 def test_calls_that_compared_nothing_are_stored_but_are_no_evidence(db_url, make_client):
     """numel is the output elements compared: a call with none and no error (every baseline value NaN, say) is
     stored, but counts toward no coverage, tolerance, exceedance, steps, requests or sample times."""

@@ -8,6 +8,11 @@ from tests.collector.helpers import post_msgpack, register
 from tests.factories import make_batch, run_body
 
 
+def _at(run_id: int, rank: int, stage: int = 0) -> dict[str, str]:
+    """The labels of a producer gauge."""
+    return {"run": str(run_id), "stage": str(stage), "rank": str(rank)}
+
+
 def test_producer_gauges_follow_each_ranks_latest_producer(db_url, make_client):
     """A rank whose process disabled the candidate and was restarted is not 'disabled' in /metrics any more
     (the ShadowdCandidateDisabled alert clears), and its old drops are not added to the new process's."""
@@ -17,14 +22,14 @@ def test_producer_gauges_follow_each_ranks_latest_producer(db_url, make_client):
     assert post_msgpack(c, run_id, old).status_code == 200
     assert post_msgpack(c, run_id, make_batch(8, rank=0, producer="r0")).status_code == 200
     reg = c.app.state.metrics.registry
-    rank1 = {"run": str(run_id), "rank": "1"}
+    rank1 = _at(run_id, 1)
     assert reg.get_sample_value("shadowd_producer_candidate_disabled", rank1) == 1.0
     time.sleep(0.01)  # the restarted process is first seen later
     new = {**make_batch(8, rank=1, producer="r1-new", step0=10), "producer_stats": {"dropped": 2}}
     assert post_msgpack(c, run_id, new).status_code == 200
     assert reg.get_sample_value("shadowd_producer_candidate_disabled", rank1) == 0.0
     assert reg.get_sample_value("shadowd_producer_dropped_samples", rank1) == 2.0
-    assert reg.get_sample_value("shadowd_producer_candidate_disabled", {"run": str(run_id), "rank": "0"}) == 0.0
+    assert reg.get_sample_value("shadowd_producer_candidate_disabled", _at(run_id, 0)) == 0.0
 
 
 def test_last_ingest_time_survives_a_collector_restart(fresh_sqlite, make_client):
@@ -110,15 +115,15 @@ def test_a_stats_only_batch_reports_drops_after_traffic_stopped(db_url, make_cli
     r = post_msgpack(c, run_id, _stats_only("p", 1, dropped=40, spool_depth=0))
     assert r.status_code == 200, r.text
     reg = c.app.state.metrics.registry
-    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 40.0
-    assert reg.get_sample_value("shadowd_producer_sequence_gaps", {"run": str(run_id), "rank": "1"}) == 0.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", _at(run_id, 1)) == 40.0
+    assert reg.get_sample_value("shadowd_producer_sequence_gaps", _at(run_id, 1)) == 0.0
     after = c.get(f"/v1/runs/{run_id}").json()
     assert after["samples"] == before["samples"] == 8
     assert (after["batches"], after["last_ingest_at"]) == (2, before["last_ingest_at"])
     # replayed (the answer was lost): a duplicate, nothing changes
     r = post_msgpack(c, run_id, _stats_only("p", 1, dropped=40, spool_depth=0))
     assert r.status_code == 200 and r.json()["duplicate"] is True
-    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 40.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", _at(run_id, 1)) == 40.0
     assert c.get(f"/v1/runs/{run_id}").json()["duplicate_batches"] == 1
 
 
@@ -134,7 +139,7 @@ def test_a_stats_only_batch_needs_figures_and_a_known_producer(db_url, make_clie
     assert r.status_code == 422 and "producer" in r.text, r.text
     assert post_msgpack(c, run_id, make_batch(8, rank=1, producer="stranger")).status_code == 200
     reg = c.app.state.metrics.registry
-    assert reg.get_sample_value("shadowd_producer_sequence_gaps", {"run": str(run_id), "rank": "1"}) == 0.0
+    assert reg.get_sample_value("shadowd_producer_sequence_gaps", _at(run_id, 1)) == 0.0
 
 
 def test_a_stats_only_batch_of_a_producer_whose_samples_all_dropped_is_filed_under_its_stated_rank(db_url,
@@ -150,13 +155,13 @@ def test_a_stats_only_batch_of_a_producer_whose_samples_all_dropped_is_filed_und
         r = post_msgpack(c, run_id, {**_stats_only("lost", 0, dropped=50), "rank": bad})
         assert r.status_code == 422 and r.json()["detail"]["field"] == "rank", (bad, r.text)
     assert c.get(f"/v1/runs/{run_id}").json()["batches"] == 0
-    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) in (None, 0.0)
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", _at(run_id, 1)) in (None, 0.0)
     r = post_msgpack(c, run_id, {**_stats_only("lost", 0, dropped=50), "rank": 1})
     assert r.status_code == 200, r.text
-    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 50.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", _at(run_id, 1)) == 50.0
     r = post_msgpack(c, run_id, _stats_only("lost", 1, dropped=60))  # no rank now: the stored one is used
     assert r.status_code == 200, r.text
-    assert reg.get_sample_value("shadowd_producer_dropped_samples", {"run": str(run_id), "rank": "1"}) == 60.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", _at(run_id, 1)) == 60.0
     assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 0
 
 
@@ -170,11 +175,58 @@ def test_a_producers_clock_offset_is_exported_per_rank(db_url, make_client):
     behind = {"X-Shadowd-Sent-At": f"{time.time() - 120:.3f}"}
     assert post_msgpack(c, run_id, make_batch(8, rank=1, producer="p"), **behind).status_code == 200
     offset = c.app.state.metrics.registry.get_sample_value("shadowd_producer_clock_offset_seconds",
-                                                           {"run": str(run_id), "rank": "1"})
+                                                           _at(run_id, 1))
     assert offset is not None and 119 < offset < 130
     for bad in ("yesterday", "nan", "-5", "1e300"):
         r = post_msgpack(c, run_id, make_batch(8, rank=0, producer="q"), **{"X-Shadowd-Sent-At": bad})
         assert r.status_code == 400 and r.json()["detail"]["field"] == "X-Shadowd-Sent-At", (bad, r.text)
     assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 8
     assert c.app.state.metrics.registry.get_sample_value("shadowd_producer_clock_offset_seconds",
-                                                         {"run": str(run_id), "rank": "0"}) is None
+                                                         _at(run_id, 0)) is None
+
+
+def test_pipeline_stages_sharing_a_rank_keep_their_producer_figures_apart(db_url, make_client):
+    """--pp-size 2: stage 0 runs layers 0-1 and stage 1 layers 2-3, both with TP rank 0, both live. Stage 0's
+    process disabled its candidate and dropped samples, then stage 1's started: filed under the rank alone, the
+    later producer's figures hid the earlier's (the gauges said 'healthy', the ShadowdCandidateDisabled alert
+    stayed quiet). Each (stage, rank) now has its own series; the producer rows and readiness notes name the
+    stage; the clock offset is kept per stage too."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=1))
+    stage0 = {**make_batch(8, producer="s0", layer=[0, 1] * 4),
+              "producer_stats": {"disabled": 1, "dropped": 7},
+              "producer_notes": {"disabled_reason": "candidate raised 5 times in a row"}}
+    assert post_msgpack(c, run_id, stage0).status_code == 200
+    time.sleep(0.01)  # stage 1's process is first seen later
+    stage1 = {**make_batch(8, producer="s1", layer=[2, 3] * 4), "stage": 1}
+    behind = {"X-Shadowd-Sent-At": f"{time.time() - 120:.3f}"}
+    assert post_msgpack(c, run_id, stage1, **behind).status_code == 200
+    reg = c.app.state.metrics.registry
+    s0, s1 = _at(run_id, 0, stage=0), _at(run_id, 0, stage=1)
+    assert reg.get_sample_value("shadowd_producer_candidate_disabled", s0) == 1.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", s0) == 7.0
+    assert reg.get_sample_value("shadowd_producer_candidate_disabled", s1) == 0.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", s1) == 0.0
+    assert 119 < (reg.get_sample_value("shadowd_producer_clock_offset_seconds", s1) or 0) < 130
+    assert reg.get_sample_value("shadowd_producer_clock_offset_seconds", s0) is None  # (stage 0 sent no stamp)
+    rows = c.get(f"/v1/runs/{run_id}/producers").json()
+    assert [(p["producer"], p["stage"], p["rank"]) for p in rows] == [("s0", 0, 0), ("s1", 1, 0)]
+    ready = c.get("/readiness", params={"run_id": run_id}).json()
+    assert [(n["stage"], n["rank"], n["producer"]) for n in ready["producer_notes"]] == [(0, 0, "s0")]
+    # a stage restarts: its new producer replaces only that stage's figures
+    time.sleep(0.01)
+    again = {**make_batch(8, producer="s0-new", layer=[0, 1] * 4, step0=10), "producer_stats": {"dropped": 1}}
+    assert post_msgpack(c, run_id, again).status_code == 200
+    assert reg.get_sample_value("shadowd_producer_candidate_disabled", s0) == 0.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", s0) == 1.0
+    assert reg.get_sample_value("shadowd_producer_dropped_samples", s1) == 0.0
+
+
+def test_a_batch_stating_a_bad_stage_is_refused_naming_it(db_url, make_client):
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=1))
+    for bad in (-1, True, "1", 1.5, 2**31):
+        r = post_msgpack(c, run_id, {**make_batch(4, producer="p"), "stage": bad})
+        assert r.status_code == 422 and r.json()["detail"]["field"] == "stage", (bad, r.text)
+    assert c.get(f"/v1/runs/{run_id}").json()["samples"] == 0
+    assert c.get(f"/v1/runs/{run_id}/producers").json() == []

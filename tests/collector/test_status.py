@@ -66,6 +66,29 @@ def test_status_page_shows_a_nan_statistic(fresh_sqlite, make_client) -> None:
     assert f'fill="{DARK_RED}"><title>layer 1' not in page
 
 
+def _producer_rows(page: str) -> list[list[str]]:
+    section = page.split('<section id="producers">', 1)[1].split("</section>", 1)[0]
+    head = re.findall(r"<th[^>]*>([^<]*)</th>", section)
+    rows = [re.findall(r"<td[^>]*>([^<]*)</td>", tr) for tr in section.split("<tr>")[2:]]
+    return [head, *rows]
+
+
+def test_the_producers_table_shows_the_pipeline_stage_only_in_runs_of_several_stages(fresh_sqlite,
+                                                                                     make_client) -> None:
+    client = make_client(fresh_sqlite, eval_interval_s=3600, ingest_writer="inline")
+    plain = register(client, run_body(num_layers=2))
+    assert post_msgpack(client, plain, make_batch(8, num_layers=2, producer="only")).status_code == 200
+    head, *_ = _producer_rows(client.get(f"/?run_id={plain}").text)
+    assert head[:2] == ["producer", "rank"]
+    staged = register(client, {**run_body(num_layers=2), "run_key": "pp"})
+    for stage, producer in ((0, "first"), (1, "second")):
+        b = {**make_batch(8, num_layers=2, producer=producer), "stage": stage}
+        assert post_msgpack(client, staged, b).status_code == 200
+    head, *rows = _producer_rows(client.get(f"/?run_id={staged}").text)
+    assert head[:3] == ["producer", "stage", "rank"]
+    assert [r[:3] for r in rows] == [["first", "0", "0"], ["second", "1", "0"]]
+
+
 def test_run_picker_shows_an_old_run_as_selected(fresh_sqlite, make_client) -> None:
     """The picker lists the 200 newest runs; the run shown is among its options (selected) even when older, else
     the form showed the newest run as chosen and "show" jumped to it."""

@@ -18,7 +18,7 @@ from shadowd.cli import main
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
 from shadowd.collector.batch import parse_batch
 from shadowd.hook.site import ShadowSite
-from shadowd.hook.spool import Spool
+from shadowd.hook.spool import Spool, spool_dir
 from shadowd.hook.streamer import Streamer, build_batch
 from shadowd.wire import HIST_BINS, decode_msgpack, encode_msgpack
 from tests.hook.conftest import Collector, base_fn, cand_fn, free_port, inputs, make_runtime, run_body
@@ -69,6 +69,23 @@ def test_producer_notes_travel_trimmed_and_only_when_there_is_one() -> None:
     b = build_batch("p", 0, samples, producer_notes={"disabled_reason": "x" * 500, "fallback_reason": "spot check"})
     vb = parse_batch(decode_msgpack(encode_msgpack(b)))
     assert vb.producer_notes == {"disabled_reason": "x" * 300, "fallback_reason": "spot check"}
+
+
+def test_a_pipeline_stages_batches_state_the_stage_and_stage_0s_are_as_before() -> None:
+    samples = [sample(0)]
+    assert "stage" not in build_batch("p", 0, samples)
+    assert "stage" not in build_batch("p", 1, [], {"dropped": 3}, rank=0)
+    for batch in (build_batch("p", 0, samples, stage=2), build_batch("p", 1, [], {"dropped": 3}, rank=0, stage=2)):
+        assert parse_batch(decode_msgpack(encode_msgpack(batch))).stage == 2
+    assert parse_batch(decode_msgpack(encode_msgpack(build_batch("p", 0, samples)))).stage == 0
+
+
+def test_the_stages_sharing_a_rank_spool_apart_and_stage_0_keeps_its_directory(tmp_path: Path) -> None:
+    # stage 0's directory is the one an earlier version spooled into (a restart after the upgrade replays it)
+    assert spool_dir(tmp_path, "launch", 3) == spool_dir(tmp_path, "launch", 3, stage=0) == (
+        tmp_path / spool_dir(tmp_path, "launch", 3).parent.name / "rank3")
+    dirs = {spool_dir(tmp_path, "launch", r, stage=s) for s in (0, 1, 2) for r in (0, 1)}
+    assert len(dirs) == 6 and len({d.parent for d in dirs}) == 1, "one run key, a directory per (stage, rank)"
 
 
 def test_packed_batch_keeps_missing_values_and_non_finite_statistics() -> None:
@@ -440,9 +457,48 @@ def test_why_the_candidate_was_disabled_reaches_the_collector(collector: Collect
     (prod,) = httpx.get(f"{collector.url}/v1/runs/{rt.run_id}/producers").json()
     assert prod["disabled_reason"] == "candidate modified its inputs" and prod["fallback_reason"] is None
     ready = httpx.get(f"{collector.url}/readiness", params={"run_id": rt.run_id}).json()
-    assert ready["producer_notes"] == [{"rank": 0, "producer": prod["producer"],
+    assert ready["producer_notes"] == [{"stage": 0, "rank": 0, "producer": prod["producer"],
                                         "disabled_reason": "candidate modified its inputs", "fallback_reason": None}]
     assert "rank 0: candidate disabled: candidate modified its inputs" in format_report(ready)
+
+
+def test_a_pipeline_stage_that_disabled_its_candidate_is_seen_beside_a_healthy_stage_of_its_rank(
+        collector: Collector, tmp_path: Path) -> None:
+    """Two stages of one TP rank on one host (one spool root, one run key): stage 1's candidate writes to its
+    inputs and is disabled; stage 0's stays healthy and started later. The collector's gauges, the producer rows
+    and the verdict's reason say which stage gave up; each stage spooled into its own directory."""
+    from shadowd.hook.config import HookConfig
+    from shadowd.hook.runtime import HookRuntime
+    from shadowd.readiness_cli import format_report
+
+    def scribbler(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w.add_(0)
+        return cand_fn(x, w)
+
+    runtimes = {}
+    for stage, cand, layers in ((1, scribbler, (2, 3)), (0, cand_fn, (0, 1))):
+        rt = HookRuntime(HookConfig(mode="validate", url=collector.url, run_key="pp", spool_dir=tmp_path / "spool",
+                                    flush_interval_s=0.05, stage=stage))
+        st = rt.start_streaming({k: v for k, v in run_body("x").items() if k != "run_key"})
+        site = ShadowSite("s", base_fn, cand, runtime=rt, clone_max_bytes=1024)
+        x, w = inputs()
+        for layer in layers:
+            site(x, w, layer=layer)
+        assert st.flush(30)
+        st.close()
+        runtimes[stage] = rt
+        time.sleep(0.01)
+    assert runtimes[1].disabled and not runtimes[0].disabled and runtimes[0].run_id == runtimes[1].run_id
+    assert runtimes[0].streamer is not None and runtimes[1].streamer is not None
+    assert runtimes[0].streamer.spool.root != runtimes[1].streamer.spool.root
+    run_id = runtimes[0].run_id
+    prods = {p["stage"]: p for p in httpx.get(f"{collector.url}/v1/runs/{run_id}/producers").json()}
+    assert prods[1]["rank"] == prods[0]["rank"] == 0 and prods[1]["disabled"] == 1 and prods[0]["disabled"] == 0
+    metrics = httpx.get(f"{collector.url}/metrics", timeout=5.0).text
+    assert f'shadowd_producer_candidate_disabled{{rank="0",run="{run_id}",stage="1"}} 1.0' in metrics
+    assert f'shadowd_producer_candidate_disabled{{rank="0",run="{run_id}",stage="0"}} 0.0' in metrics
+    ready = httpx.get(f"{collector.url}/readiness", params={"run_id": run_id}).json()
+    assert "stage 1 rank 0 (producer " in format_report(ready) and ready["verdict"] == "NOT_READY"
 
 
 def test_every_post_carries_its_send_stamp(collector: Collector, tmp_path: Path) -> None:

@@ -75,6 +75,21 @@ def test_a_producer_that_gave_up_on_the_candidate_is_not_ready() -> None:
     assert rep["reasons"][0] == "producers: FAIL: rank 3 (producer b): candidate disabled: candidate_flag:0x1"
 
 
+def test_a_pipeline_stage_that_gave_up_is_named_by_stage_and_rank() -> None:
+    # --pp-size 2 --tp 1: both stages report as rank 0; the reason must say which stage's process gave up
+    base = {"rank": 0, "disabled": 0, "fallback": 0, "disabled_reason": None, "fallback_reason": None}
+    stage0 = {**base, "stage": 0, "producer": "a", "first_seen": T0}
+    stage1 = {**base, "stage": 1, "producer": "b", "fallback": 1, "fallback_reason": "spot check: rel_l2 0.3",
+              "first_seen": T0 - 1}
+    rep = judge(dataclasses.replace(rollups(), producers=[stage1, stage0]), SMALL)
+    assert rep["verdict"] == NOT_READY
+    assert rep["reasons"][0] == ("producers: FAIL: stage 1 rank 0 (producer b): on mode fell back to the baseline: "
+                                 "spot check: rel_l2 0.3")
+    assert criterion(rep, "producers")["flagged"] == [{"stage": 1, "rank": 0, "producer": "b",
+                                                       "disabled_reason": None,
+                                                       "fallback_reason": "spot check: rel_l2 0.3"}]
+
+
 # ---- tolerance -----------------------------------------------------------------------------------
 def test_tolerance_exactly_at_threshold_passes() -> None:
     tol = SMALL.tol("rel_l2_max")

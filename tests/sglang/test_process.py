@@ -5,6 +5,7 @@ fingerprints and SGLang's accept length per mode."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,7 +37,7 @@ def test_two_ranks_register_one_run_and_stream(sgl: Any, collector: Collector, t
     from shadowd.sglang import process
     from shadowd.sglang.spec import SpecCounters
 
-    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size, 0))
     env = {"SHADOWD_MODE": "validate", "SHADOWD_URL": collector.url, "SHADOWD_RUN_KEY": "launch-1",
            "SHADOWD_SPOOL_DIR": str(tmp_path / "spool"), "SHADOWD_FLUSH_INTERVAL_S": "0.1",
            "SHADOWD_RANK": "0"}  # one value for every worker: ignored, each reports its own TP rank
@@ -74,12 +75,15 @@ def test_two_ranks_register_one_run_and_stream(sgl: Any, collector: Collector, t
         rt.streamer.close(2.0)
 
 
-def test_the_replicas_of_a_data_parallel_launch_report_as_ranks_of_their_own(sgl: Any, collector: Collector,
-                                                                             tmp_path: Path) -> None:
-    # --dp-size 2 --tp 2: each replica is a TP group whose ranks count from 0. Reported under their TP rank alone,
-    # two live workers shared a rank: a rank's producer figures are its latest producer's, so the other
-    # replica's drops or disabled candidate vanished from the gauges and alerts, and the coverage criterion
-    # asked nothing of the second replica.
+Place = tuple[dict[str, Any], tuple[int, int, int]]
+
+
+def _launch(collector: Collector, tmp_path: Path, key: str, places: list[Place],
+            layers: Callable[[Any], tuple[int, ...]] = lambda rt: (0,)
+            ) -> tuple[list[Any], dict[str, Any], list[dict[str, Any]]]:
+    """One worker per place — SGLang's parallel context overridden as given, ``_parallel`` checked to say
+    (rank, ranks, stage) — each with a validate site called once per layer of ``layers(runtime)``; returns the
+    runtimes, the one run they registered and its producer rows."""
     import httpx
     import sglang
     from sglang.srt.runtime_context import get_parallel
@@ -87,18 +91,14 @@ def test_the_replicas_of_a_data_parallel_launch_report_as_ranks_of_their_own(sgl
     from shadowd.sglang import process
     from shadowd.sglang.spec import SpecCounters
 
-    env = {"SHADOWD_MODE": "validate", "SHADOWD_URL": collector.url, "SHADOWD_RUN_KEY": "dp-launch",
+    env = {"SHADOWD_MODE": "validate", "SHADOWD_URL": collector.url, "SHADOWD_RUN_KEY": key,
            "SHADOWD_SPOOL_DIR": str(tmp_path / "spool"), "SHADOWD_FLUSH_INTERVAL_S": "0.1"}
     runtimes = []
-    for replica in (0, 1):
-        for tp_rank in (0, 1):
-            with get_parallel().override(tp_rank=tp_rank, tp_size=2, dp_rank=replica, dp_size=2):
-                assert process._parallel(_runner(tp_rank)) == (replica * 2 + tp_rank, 4)
-                runtimes.append(process.ProcessSetup(sglang.__version__, SpecCounters(), env=env)
-                                .setup(_runner(tp_rank)))
-    with get_parallel().override(tp_rank=1, tp_size=2, dp_rank=None, dp_size=1):  # no DP controller
-        assert process._parallel(_runner(1)) == (1, 2)
-    assert [rt.config.rank for rt in runtimes] == [0, 1, 2, 3]
+    for override, expected in places:
+        with get_parallel().override(**override):
+            assert process._parallel(_runner(override["tp_rank"])) == expected
+            runtimes.append(process.ProcessSetup(sglang.__version__, SpecCounters(), env=env)
+                            .setup(_runner(override["tp_rank"])))
     deadline = time.monotonic() + 30
     while any(rt.run_id is None for rt in runtimes) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -106,14 +106,49 @@ def test_the_replicas_of_a_data_parallel_launch_report_as_ranks_of_their_own(sgl
     x, w = inputs()
     for rt in runtimes:
         site = ShadowSite("sglang.mla_tree_verify", base_fn, cand_fn, runtime=rt)
-        site(x, w, layer=0, bucket=Bucket(batch_size=2, draft_tokens=8, prefix_len=4096, heads=8))
+        for layer in layers(rt):
+            site(x, w, layer=layer, bucket=Bucket(batch_size=2, draft_tokens=8, prefix_len=4096, heads=8))
         assert rt.streamer is not None and rt.streamer.flush(20.0)
-    run_id = runtimes[0].run_id
-    assert CollectorClient(collector.url).get_run(run_id)["tp_size"] == 4
-    producers = httpx.get(f"{collector.url}/v1/runs/{run_id}/producers").json()
-    assert sorted(p["rank"] for p in producers) == [0, 1, 2, 3], "four workers, four ranks"
+    run = CollectorClient(collector.url).get_run(runtimes[0].run_id)
+    producers = httpx.get(f"{collector.url}/v1/runs/{run['id']}/producers").json()
     for rt in runtimes:
         rt.streamer.close(2.0)
+    return runtimes, run, producers
+
+
+def test_the_replicas_of_a_data_parallel_launch_report_as_ranks_of_their_own(sgl: Any, collector: Collector,
+                                                                             tmp_path: Path) -> None:
+    # --dp-size 2 --tp 2: each replica is a TP group whose ranks count from 0. Reported under their TP rank alone,
+    # two live workers shared a rank: a rank's producer figures are its latest producer's, so the other
+    # replica's drops or disabled candidate vanished from the gauges and alerts, and the coverage criterion
+    # asked nothing of the second replica.
+    from sglang.srt.runtime_context import get_parallel
+
+    from shadowd.sglang import process
+
+    places = [({"tp_rank": k, "tp_size": 2, "dp_rank": replica, "dp_size": 2}, (replica * 2 + k, 4, 0))
+              for replica in (0, 1) for k in (0, 1)]
+    runtimes, run, producers = _launch(collector, tmp_path, "dp-launch", places)
+    assert [rt.config.rank for rt in runtimes] == [0, 1, 2, 3]
+    assert run["tp_size"] == 4
+    assert sorted(p["rank"] for p in producers) == [0, 1, 2, 3], "four workers, four ranks"
+    with get_parallel().override(tp_rank=1, tp_size=2, dp_rank=None, dp_size=1):  # no DP controller
+        assert process._parallel(_runner(1)) == (1, 2, 0)
+
+
+def test_the_stages_of_a_pipeline_parallel_launch_are_producers_of_their_own(sgl: Any, collector: Collector,
+                                                                            tmp_path: Path) -> None:
+    # --pp-size 2 --tp 2 (SGLANG_ENABLE_PP_SPEC=1): stage 0 runs layer 0, stage 1 layers 1-2, each with TP ranks
+    # 0 and 1, all four on one host. Without the stage the two stages' workers of one TP rank shared a spool
+    # directory, and the collector's figures for the rank were whichever stage started last.
+    places = [({"tp_rank": k, "tp_size": 2, "pp_rank": stage, "pp_size": 2, "dp_rank": None, "dp_size": 1},
+               (k, 2, stage)) for stage in (0, 1) for k in (0, 1)]
+    runtimes, run, producers = _launch(collector, tmp_path, "pp-launch", places,
+                                       layers=lambda rt: (0,) if rt.config.stage == 0 else (1, 2))
+    assert [(rt.config.stage, rt.config.rank) for rt in runtimes] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({rt.streamer.spool.root for rt in runtimes}) == 4, "a spool directory each"
+    assert run["tp_size"] == 2 and run["samples"] == 6
+    assert sorted((p["stage"], p["rank"]) for p in producers) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_on_mode_whose_run_registration_is_refused_serves_the_baseline(sgl: Any, collector: Collector,
@@ -126,7 +161,7 @@ def test_on_mode_whose_run_registration_is_refused_serves_the_baseline(sgl: Any,
     from shadowd.sglang import process
     from shadowd.sglang.spec import SpecCounters
 
-    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size, 0))
     env = {"SHADOWD_MODE": "on", "SHADOWD_URL": collector.url + "/nowhere", "SHADOWD_RUN_KEY": "refused",
            "SHADOWD_SPOOL_DIR": str(tmp_path / "spool")}  # (a path the collector answers 404: refused)
     rt = process.ProcessSetup(sglang.__version__, SpecCounters(), env=env).setup(_runner(0))
@@ -143,7 +178,7 @@ def test_on_mode_behind_a_promotion_gate_serves_the_baseline_until_the_gate_run_
     from shadowd.sglang import process
     from shadowd.sglang.spec import SpecCounters
 
-    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size, 0))
     with CollectorClient(collector.url) as c:  # the validate launch of the same build, model and TP size
         fields = process.run_fields("validate-launch", 3, 2, sglang.__version__, "moonshotai/Kimi-K2.6")
         gate = int(c.register_run(fields)["id"])
@@ -175,7 +210,7 @@ def test_a_multi_node_launch_without_a_run_key_is_told_to_set_one(sgl: Any, tmp_
     from shadowd.sglang import process
     from shadowd.sglang.spec import SpecCounters
 
-    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size))
+    monkeypatch.setattr(process, "_parallel", lambda mr: (mr.tp_rank, mr.tp_size, 0))
     monkeypatch.setattr(process.ProcessSetup, "_start_streamer", lambda self, rt, fields: None)
     runner = _runner(0)
     runner.server_args = SimpleNamespace(nnodes=2)

@@ -75,6 +75,6 @@ async def ingest(run_id: RunId, request: Request, state: State) -> IngestAnswer:
         c = batch.cols
         m.observe_ingest(run_id, result.accepted, c["layer"], result.deltas.exceeded, c["cand_nonfinite"] > 0)
     if sent_at is not None and batch.n:  # (a stats-only batch names no rank)
-        m.observe_clock(run_id, int(batch.cols["rank"][0]), received_at - sent_at)
+        m.observe_clock(run_id, int(batch.cols["rank"][0]), received_at - sent_at, batch.stage)
     return IngestAnswer(run_id=run_id, accepted=result.accepted, duplicate=result.duplicate,
                         mode_override=result.mode_override)

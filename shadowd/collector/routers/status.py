@@ -273,9 +273,12 @@ def _layers_section(layers: list[dict[str, Any]]) -> str:
 def _producers_section(producers: list[dict[str, Any]]) -> str:
     if not producers:
         return ""
+    # the pipeline stage, in runs of several stages only (they share TP ranks)
+    staged = any(int(p.get("stage") or 0) for p in producers)
     rows = [
         [
             _e(str(p["producer"])[:12]),
+            *([_fmt(int(p.get("stage") or 0))] if staged else []),
             _fmt(p["rank"]),
             _fmt(p["batches"]),
             _fmt(p["samples"]),
@@ -292,6 +295,7 @@ def _producers_section(producers: list[dict[str, Any]]) -> str:
     table = _table(
         [
             "producer",
+            *(["stage"] if staged else []),
             "rank",
             "batches",
             "samples",
@@ -304,7 +308,7 @@ def _producers_section(producers: list[dict[str, Any]]) -> str:
             "last seen",
         ],
         rows,
-        set(range(1, 7)),
+        set(range(1, 8 if staged else 7)),
     )
     return f'<section id="producers"><h2>Producers</h2>{table}</section>'
 
