@@ -104,7 +104,8 @@ def format_report(body: dict[str, Any]) -> str:
     for n in body.get("producer_notes") or []:
         for what, key in (("candidate disabled", "disabled_reason"), ("fell back", "fallback_reason")):
             if n.get(key):
-                lines.append(f"  rank {n.get('rank')}: {what}: {n[key]}")
+                stage = f"stage {n['stage']} " if n.get("stage") else ""  # (a pipeline's stages share TP ranks)
+                lines.append(f"  {stage}rank {n.get('rank')}: {what}: {n[key]}")
     return "\n".join(lines)
 
 

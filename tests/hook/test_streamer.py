@@ -498,7 +498,9 @@ def test_a_pipeline_stage_that_disabled_its_candidate_is_seen_beside_a_healthy_s
     assert f'shadowd_producer_candidate_disabled{{rank="0",run="{run_id}",stage="1"}} 1.0' in metrics
     assert f'shadowd_producer_candidate_disabled{{rank="0",run="{run_id}",stage="0"}} 0.0' in metrics
     ready = httpx.get(f"{collector.url}/readiness", params={"run_id": run_id}).json()
-    assert "stage 1 rank 0 (producer " in format_report(ready) and ready["verdict"] == "NOT_READY"
+    report = format_report(ready)
+    assert "stage 1 rank 0 (producer " in report and ready["verdict"] == "NOT_READY"
+    assert "  stage 1 rank 0: candidate disabled: candidate modified its inputs" in report.splitlines()
 
 
 def test_every_post_carries_its_send_stamp(collector: Collector, tmp_path: Path) -> None:
