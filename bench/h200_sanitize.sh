@@ -21,11 +21,14 @@ note "commit $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/
 note "$(python3 -c 'import sys,torch,triton;print("python",sys.version.split()[0],"torch",torch.__version__,"triton",triton.__version__)' 2>&1)"
 note "$(compute-sanitizer --version 2>&1 | tail -1)"
 
-timeout 150 python3 -m mla_tree_verify.build > "$OUT/build.log" 2>&1
-note "build rc=$? $(tail -1 "$OUT/build.log")"
-
+# the build (nvcc, on the CPUs) and the negative control (Triton, on the GPU) side by side
+timeout 150 python3 -m mla_tree_verify.build > "$OUT/build.log" 2>&1 &
+build_pid=$!
 timeout 90 python3 -m pytest tests/cli/test_sanitize.py -q -rs -p no:cacheprovider > "$OUT/control.log" 2>&1
-note "control (tests/cli/test_sanitize.py) rc=$?: $(tail -1 "$OUT/control.log")"
+control_rc=$?
+wait $build_pid
+note "build rc=$? $(tail -1 "$OUT/build.log")"
+note "control (tests/cli/test_sanitize.py) rc=$control_rc: $(tail -1 "$OUT/control.log")"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/control.log" | head -5 >> "$SUMMARY"
 
 t0=$(date +%s)
