@@ -451,10 +451,11 @@ def build() -> dict[str, Any]:
             "Producer spool depth",
             [
                 _target(
-                    f"max by (run, rank) (shadowd_producer_spool_depth{{{R}}})", "run {{run}} rank {{rank}}"
+                    f"max by (run, stage, rank) (shadowd_producer_spool_depth{{{R}}})",
+                    "run {{run}} stage {{stage}} rank {{rank}}",
                 )
             ],
-            "Batches waiting in each rank's on-disk spool.",
+            "Batches waiting in each (pipeline stage, rank)'s on-disk spool.",
         ),
         w=8,
         h=8,
@@ -465,21 +466,21 @@ def build() -> dict[str, Any]:
             "Producer drops, sequence gaps, device errors",
             [
                 _target(
-                    f"max by (run, rank) (shadowd_producer_dropped_samples{{{R}}})",
-                    "dropped {{run}}/{{rank}}",
+                    f"max by (run, stage, rank) (shadowd_producer_dropped_samples{{{R}}})",
+                    "dropped {{run}}/{{stage}}/{{rank}}",
                 ),
                 _target(
-                    f"max by (run, rank) (shadowd_producer_sequence_gaps{{{R}}})",
-                    "gaps {{run}}/{{rank}}",
+                    f"max by (run, stage, rank) (shadowd_producer_sequence_gaps{{{R}}})",
+                    "gaps {{run}}/{{stage}}/{{rank}}",
                     ref="B",
                 ),
                 _target(
-                    f"max by (run, rank) (shadowd_producer_device_errors{{{R}}})",
-                    "device errors {{run}}/{{rank}}",
+                    f"max by (run, stage, rank) (shadowd_producer_device_errors{{{R}}})",
+                    "device errors {{run}}/{{stage}}/{{rank}}",
                     ref="C",
                 ),
             ],
-            "Running totals reported by producers.",
+            "Running totals reported by producers (legend: run/stage/rank; stage 0 without --pp-size).",
         ),
         w=8,
         h=8,
@@ -490,16 +491,16 @@ def build() -> dict[str, Any]:
             "Fallback and disabled candidates",
             [
                 _target(
-                    f"max by (run, rank) (shadowd_producer_fallback{{{R}}})",
-                    "on-mode fallback {{run}}/{{rank}}",
+                    f"max by (run, stage, rank) (shadowd_producer_fallback{{{R}}})",
+                    "on-mode fallback {{run}}/{{stage}}/{{rank}}",
                 ),
                 _target(
-                    f"max by (run, rank) (shadowd_producer_candidate_disabled{{{R}}})",
-                    "candidate disabled {{run}}/{{rank}}",
+                    f"max by (run, stage, rank) (shadowd_producer_candidate_disabled{{{R}}})",
+                    "candidate disabled {{run}}/{{stage}}/{{rank}}",
                     ref="B",
                 ),
             ],
-            "Producers that took the candidate out of the path (1).",
+            "Producers that took the candidate out of the path (1); legend: run/stage/rank.",
         ),
         w=8,
         h=8,
