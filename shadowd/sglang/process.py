@@ -5,7 +5,8 @@ Runs when the target model's ``TritonAttnBackend`` is constructed (an AROUND hoo
 worker process). Once per process:
 
 * builds the :class:`shadowd.hook.runtime.HookRuntime` from ``SHADOWD_*`` with ``rank`` = this
-  process's TP rank (each rank is its own producer: the streamer's producer id is per process);
+  process's TP rank and ``stage`` = its PP rank (each process is its own producer: the streamer's producer id
+  is per process);
 * refuses modes that are unsafe under CUDA graphs here (:mod:`shadowd.sglang.graphs`);
 * with ``SHADOWD_URL`` set: registers the run (``POST /v1/runs``, idempotent on the run key, so
   every rank registering the same launch gets the same run) with the model's layer count, TP size,
@@ -207,8 +208,9 @@ class ProcessSetup:
         cfg = rt.config
         assert cfg.url is not None
         client = CollectorClient(cfg.url, cfg.token, timeout=cfg.http_timeout_s)
-        # a directory per run key and rank: what is spooled there belongs to that run (a worker restarted under the
-        # same SHADOWD_RUN_KEY replays what the last one left); another launch's batches are never in it
+        # a directory per run key, pipeline stage and rank: what is spooled there belongs to that run (a worker
+        # restarted under the same SHADOWD_RUN_KEY replays what the last one left); another launch's batches are never
+        # in it, nor another live stage's
         spool = Spool(spool_dir(cfg.spool_dir, fields["run_key"], cfg.rank, stage=cfg.stage), cfg.spool_max_bytes)
 
         def stats() -> dict[str, int]:
