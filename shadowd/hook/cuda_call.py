@@ -65,10 +65,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton
 
+from shadowd.hook.arguments import first_tensor, key_of, meta_error
 from shadowd.hook.device import DeviceState, Slot
 from shadowd.hook.diffstats import empty_stats
 from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats
-from shadowd.hook.site import first_tensor, key_of, meta_error
 from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:

@@ -53,6 +53,7 @@ __all__ = [
     "empty_stats",
     "finalize",
     "hard_failure",
+    "max_abs_chunked",
     "raw_stats_torch",
     "stats_torch",
 ]
@@ -187,3 +188,17 @@ def hard_failure(stats: dict[str, Any], hard_scaled_max_abs: float, hard_rel_l2:
     if rel_l2 > hard_rel_l2:
         return "rel_l2"
     return None
+
+
+def max_abs_chunked(a: torch.Tensor, b: torch.Tensor, rows: int) -> float:
+    """max |a - b| in fp32 over row chunks (bounded memory); NaN if either side is non-finite."""
+    a2 = a.reshape(a.shape[0], -1) if a.dim() else a.reshape(1, 1)
+    b2 = b.reshape(b.shape[0], -1) if b.dim() else b.reshape(1, 1)
+    out = 0.0
+    for i in range(0, a2.shape[0], rows):
+        d = (a2[i:i + rows].float() - b2[i:i + rows].float()).abs()
+        m = float(d.max()) if d.numel() else 0.0
+        if not math.isfinite(m):  # a NaN, or an Inf on either side
+            return math.nan
+        out = max(out, m)
+    return out

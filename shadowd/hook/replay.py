@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from shadowd.hook.diffstats import stats_torch
-from shadowd.hook.site import max_abs_chunked
+from shadowd.hook.diffstats import max_abs_chunked, stats_torch
 
 __all__ = ["format_report", "load_bundle", "replay_bundle", "resolve"]
 

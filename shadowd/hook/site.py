@@ -33,22 +33,31 @@ call goes through ``shadowd.hook.cuda_call`` (graph-capturable, no host synchron
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shadowd.hook.arguments import (
+    OUT_KEYS_MAX,
+    first_tensor,
+    key_of,
+    leaves,
+    meta_error,
+    out_key,
+    out_meta,
+    rebuilt,
+    tensors,
+)
 from shadowd.hook.copies import clone_many
-from shadowd.hook.diffstats import empty_stats, hard_failure, stats_torch
+from shadowd.hook.diffstats import empty_stats, hard_failure, max_abs_chunked, stats_torch
 from shadowd.hook.runtime import HookRuntime, get_runtime
 
-__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite", "first_tensor", "key_of",
-           "max_abs_chunked", "meta_error", "out_key"]
+__all__ = ["Bucket", "BundleArgs", "CandidateFlag", "CandidateGate", "ShadowSite"]
 
 log = logging.getLogger("shadowd.hook")
 
@@ -77,109 +86,6 @@ class Bucket:
     new_requests: int | None = None
     valid_rows: int | torch.Tensor | None = None
     meta: torch.Tensor | None = None
-
-
-def max_abs_chunked(a: torch.Tensor, b: torch.Tensor, rows: int) -> float:
-    """max |a - b| in fp32 over row chunks (bounded memory); NaN if either side is non-finite."""
-    a2 = a.reshape(a.shape[0], -1) if a.dim() else a.reshape(1, 1)
-    b2 = b.reshape(b.shape[0], -1) if b.dim() else b.reshape(1, 1)
-    out = 0.0
-    for i in range(0, a2.shape[0], rows):
-        d = (a2[i:i + rows].float() - b2[i:i + rows].float()).abs()
-        m = float(d.max()) if d.numel() else 0.0
-        if not math.isfinite(m):  # a NaN, or an Inf on either side
-            return math.nan
-        out = max(out, m)
-    return out
-
-
-#: how deep the hook looks into list / tuple / dict arguments for tensors (to protect them from the candidate)
-NEST_MAX = 4
-#: output keys (:func:`out_key`) a site remembers the baseline's output for (on mode's unchecked calls)
-OUT_KEYS_MAX = 64
-
-
-def _leaves(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The tensors in an argument: itself, or inside (nested) lists, tuples and dicts."""
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif depth < NEST_MAX and isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _leaves(v, depth + 1)
-    elif depth < NEST_MAX and isinstance(x, dict):
-        for v in x.values():
-            yield from _leaves(v, depth + 1)
-
-
-def _rebuilt(x: Any, copies: dict[int, torch.Tensor], depth: int = 0) -> Any:
-    """``x`` with every tensor that has a copy in ``copies`` (by id) replaced by it; containers holding none are
-    returned as they are (the same object)."""
-    if isinstance(x, torch.Tensor):
-        return copies.get(id(x), x)
-    if depth >= NEST_MAX or not isinstance(x, (list, tuple, dict)):
-        return x
-    if isinstance(x, dict):
-        vals = {k: _rebuilt(v, copies, depth + 1) for k, v in x.items()}
-        return x if all(vals[k] is v for k, v in x.items()) else vals
-    items = [_rebuilt(v, copies, depth + 1) for v in x]
-    if all(a is b for a, b in zip(items, x, strict=True)):
-        return x
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*items)
-    return tuple(items) if isinstance(x, tuple) else items
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):  # (the common case without a generator: this runs on every call)
-            out.append(a)
-        elif isinstance(a, (list, tuple, dict)):
-            out.extend(_leaves(a))
-    return out
-
-
-def first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
-    """The first positional tensor argument (what :func:`out_key` and output metas are taken from), or None."""
-    return next((a for a in args if isinstance(a, torch.Tensor)), None)
-
-
-def out_key(args: tuple[Any, ...]) -> Any:
-    """What the expected output's dtype, device and trailing shape are keyed by: the first tensor argument's
-    trailing shape and dtype (SGLang's verify: q's heads and width)."""
-    return key_of(first_tensor(args))
-
-
-def key_of(t0: torch.Tensor | None) -> Any:
-    """:func:`out_key` of a call whose first tensor argument is ``t0`` (already found)."""
-    return None if t0 is None else (t0.shape[1:], t0.dtype)
-
-
-def _out_meta(out: torch.Tensor, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What an output must look like for the same key (:func:`out_key`): dtype, device, rank, trailing shape and
-    whether its rows follow the first tensor argument's."""
-    return _meta_of(out, first_tensor(args))
-
-
-def _meta_of(out: torch.Tensor, t0: torch.Tensor | None) -> tuple[Any, ...]:
-    n = out.dim()
-    follows = t0 is not None and n > 0 and t0.dim() > 0 and out.shape[0] == t0.shape[0]
-    return out.dtype, out.device, n, out.shape[1:], follows
-
-
-def meta_error(out: Any, t0: torch.Tensor | None, want: tuple[Any, ...] | None) -> str | None:
-    """What is wrong with a candidate output ``out`` that shows without reading a value: no tensor (``type``), or
-    unlike the baseline's output for the same key (``want``, :func:`_out_meta`; None: not known): ``dtype`` or
-    ``shape`` (device, rank, trailing shape, rows). ``t0``: the call's first tensor argument. Attribute reads only:
-    it cannot synchronise, and cannot raise on a tensor."""
-    if not isinstance(out, torch.Tensor):
-        return "type"
-    if want is None:
-        return None
-    got = _meta_of(out, t0)
-    if got != want:
-        return "dtype" if got[0] != want[0] else "shape"
-    return None
 
 
 class ShadowSite:
@@ -284,7 +190,7 @@ class ShadowSite:
         if advance:
             rt.step += 1
         b = bucket or Bucket()
-        if any(t.is_cuda for t in _tensors(args, kwargs)[:1]):
+        if any(t.is_cuda for t in tensors(args, kwargs)[:1]):
             from shadowd.hook.cuda_call import device_call
 
             return device_call(self, args, kwargs, layer, b, advance)
@@ -294,7 +200,7 @@ class ShadowSite:
             t0 = first_tensor(args)
             want = self.out_metas.get(key_of(t0))
             if want is not None and not rt.spot_checked(step):
-                versions = [(t, t._version) for t in _tensors(args, kwargs)]
+                versions = [(t, t._version) for t in tensors(args, kwargs)]
                 out, err = self._isolated("candidate", self.candidate, *args, **kwargs)
                 if err is None:
                     # between spot checks the baseline is not run, but much of what is wrong with an output is
@@ -356,7 +262,7 @@ class ShadowSite:
             key = out_key(args)
             if key not in self.out_metas and len(self.out_metas) >= OUT_KEYS_MAX:  # the oldest key goes
                 self.out_metas.pop(next(iter(self.out_metas)))
-            self.out_metas[key] = _out_meta(out_b, args)
+            self.out_metas[key] = out_meta(out_b, args)
 
     def _protect(self, args: tuple[Any, ...], kwargs: dict[str, Any], out_b: Any = None,
                  private: set[int] | None = None, batch: bool = False
@@ -376,7 +282,7 @@ class ShadowSite:
         cloned: dict[int, torch.Tensor] = {}
         seen: set[int] = set()
         for key, arg in [*enumerate(args), *kwargs.items()]:
-            for x in _leaves(arg):
+            for x in leaves(arg):
                 if id(x) in seen or (private and id(x) in private):
                     continue
                 seen.add(id(x))
@@ -392,7 +298,7 @@ class ShadowSite:
         made = clone_many(xs) if batch else [x.detach().clone() for x in xs]
         watched += [(c, c._version) for c in made]
         copies = dict(zip(cloned, made, strict=True))
-        return (tuple(_rebuilt(a, copies) for a in args), {k: _rebuilt(v, copies) for k, v in kwargs.items()},
+        return (tuple(rebuilt(a, copies) for a in args), {k: rebuilt(v, copies) for k, v in kwargs.items()},
                 watched, out_b)
 
     def _candidate_error(self, err: str | None, out_c: Any, out_b: Any,

@@ -182,7 +182,7 @@ def test_ctrl_c_or_a_sigterm_exit_while_the_candidate_runs_still_stops_the_proce
 
 def test_an_on_mode_site_remembers_its_latest_output_keys() -> None:
     # past the bound the oldest key goes: keys past it were never learnt, so every call of theirs was compared
-    from shadowd.hook.site import OUT_KEYS_MAX
+    from shadowd.hook.arguments import OUT_KEYS_MAX
 
     rt, _sink = make_runtime("on", spot_every=10**9)
     base_calls = []

@@ -39,7 +39,7 @@ dev.torch.cuda = torch.cuda
 # outside any capture, as the streamer's thread makes them
 dev.DeviceState._capturing = staticmethod(lambda: False)
 from shadowd.hook import site as site_mod
-site_mod._tensors = lambda a, k: [SimpleNamespace(is_cuda=True)]
+site_mod.tensors = lambda a, k: [SimpleNamespace(is_cuda=True)]
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.diffstats import finalize, stats_torch
 from shadowd.hook.runtime import HookRuntime
