@@ -34,6 +34,7 @@ from shadowd.hook.runtime import HookRuntime, set_runtime
 from shadowd.hook.simulate import FAULTS, baseline_attention, candidate_attention, faulty, make_case, oracle_attention
 from shadowd.hook.site import Bucket, ShadowSite
 from shadowd.hook.streamer import Streamer
+from shadowd.readiness_cli import evidence_lines
 
 __all__ = ["DEMO_POLICY", "DRIFT_RAMP_S", "run_demo"]
 
@@ -271,6 +272,8 @@ def _verdict(client: CollectorClient, run_id: int, fault: str, url: str) -> int:
     print(f"\nreadiness verdict for run {run_id}: {verdict}")
     for reason in body.get("reasons", [])[:12]:
         print(f"  - {reason}")
+    for line in evidence_lines(body):  # READY: what it rests on
+        print(line)
     print("\nwhere to look:")
     print(f"  status page     {url}/?run_id={run_id}")
     print(f"  readiness       {url}/readiness?run_id={run_id}")

@@ -34,6 +34,7 @@ __all__ = [
     "EXIT_REFUSED",
     "EXIT_UNREACHABLE",
     "answer_error",
+    "evidence_lines",
     "fetch_readiness",
     "format_report",
     "readiness_command",
@@ -91,8 +92,22 @@ def answer_error(resp: httpx.Response, body: Any, wanted: str) -> tuple[int, str
     return EXIT_UNREACHABLE, f"HTTP {resp.status_code} without {wanted} (is {resp.url} a shadowd collector?): {text}"
 
 
+def evidence_lines(body: dict[str, Any]) -> list[str]:
+    """What a READY verdict rests on: one line per criterion the judge applied, ``  ok <name>: <detail>``
+    (informational ones marked ``info``). Empty for any other verdict: its reasons say what stands in the way."""
+    if body.get("verdict") != "READY":
+        return []
+    lines = []
+    for c in body.get("criteria") or []:
+        if isinstance(c, dict) and c.get("name"):
+            mark = "info" if c.get("informational") else "ok"
+            lines.append(f"  {mark} {c['name']}: {c.get('detail', '')}")
+    return lines
+
+
 def format_report(body: dict[str, Any]) -> str:
-    """The verdict line, one line per reason, and why a rank's candidate was disabled or fell back."""
+    """The verdict line, then one line per reason (or, for READY, per criterion passed: :func:`evidence_lines`),
+    and why a rank's candidate was disabled or fell back."""
     if "verdict" not in body:
         return f"ERROR {body.get('error', body)}"
     head = f"{body['verdict']}  run {body.get('run_id')} ({body.get('run_key', '')})"
@@ -101,6 +116,7 @@ def format_report(body: dict[str, Any]) -> str:
         head += f"  candidate {fp}"
     lines = [head]
     lines += [f"  - {r}" for r in body.get("reasons", [])]
+    lines += evidence_lines(body)
     for n in body.get("producer_notes") or []:
         for what, key in (("candidate disabled", "disabled_reason"), ("fell back", "fallback_reason")):
             if n.get(key):

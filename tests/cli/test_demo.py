@@ -33,6 +33,7 @@ def test_demo_reaches_ready_for_a_good_candidate():
     done = _demo("--fault", "none")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "readiness verdict for run 1: READY" in done.stdout
+    assert "  ok exceedance: 0/" in done.stdout and "  ok coverage: " in done.stdout  # what READY rests on
     assert "DEMO policy" in done.stdout  # it says plainly what it judges with
     assert "status page" in done.stdout
 
@@ -43,6 +44,7 @@ def test_demo_planted_fault_is_not_ready_with_its_reason(fault):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "readiness verdict for run 1: NOT_READY" in done.stdout
     assert EXPECTED[fault] in done.stdout, done.stdout
+    assert "  ok " not in done.stdout  # no evidence lines beside a NOT_READY
 
 
 def test_demo_rejects_an_unknown_fault():

@@ -91,7 +91,14 @@ def test_default_policy_reaches_ready_then_drift_flips_it(env: Env) -> None:
     assert env.client.get("/readiness").json()["run_id"] == rid  # latest run when omitted
     assert env.metric("shadowd_readiness_verdict", {"run": str(rid), "candidate": "kdtree-verify",
                                                     "verdict": "READY"}) == 1.0
-    assert readiness_command("http://testserver", rid, client=env.client, echo=lambda s: None) == 0
+    printed: list[str] = []
+    assert readiness_command("http://testserver", rid, client=env.client, echo=printed.append) == 0
+    # READY says what it rests on: one line per criterion passed, with the judge's own figures
+    evidence = printed[0].splitlines()[1:]
+    assert {ln.split(":")[0] for ln in evidence} >= {"  ok hard_failures", "  ok exceedance", "  ok coverage",
+                                                      "  ok hysteresis", "  info baseline_events"}
+    exc = next(c for c in body["criteria"] if c["name"] == "exceedance")
+    assert f"  ok exceedance: {exc['detail']}" in evidence
 
     layers = env.client.get(f"/readiness/{rid}/layers").json()["layers"]
     assert layers[0]["status"] == "ok" and layers[0]["samples"] == 47_000 + 1_800
@@ -105,7 +112,9 @@ def test_default_policy_reaches_ready_then_drift_flips_it(env: Env) -> None:
     assert any(x.startswith("drift: FAIL") for x in rep["reasons"])
     assert env.client.get("/readiness", params={"run_id": rid}).status_code == 503
     assert env.metric("shadowd_readiness_verdict_changes_total", {"run": str(rid)}) == 2.0
-    assert readiness_command("http://testserver", rid, client=env.client, echo=lambda s: None) == 1
+    printed.clear()
+    assert readiness_command("http://testserver", rid, client=env.client, echo=printed.append) == 1
+    assert "  - drift: FAIL" in printed[0] and "  ok " not in printed[0]  # a verdict short of READY: its reasons
 
 
 def test_one_in_a_thousand_outliers_is_not_ready_with_exceedance_reason(env: Env) -> None:
