@@ -7,8 +7,10 @@ sm_120 on an RTX PRO 6000 Blackwell, sm_90 on an H100 / H200)::
 
     compute-sanitizer --tool memcheck --kernel-name kns=mtv_ python -m mla_tree_verify.sanitize
 
-for ``memcheck``, ``racecheck``, ``initcheck`` and ``synccheck`` (``--kernel-name kns=mtv_`` instruments this
-library's kernels only: torch's own allocation and read-back kernels are not under test).
+for ``memcheck``, ``racecheck`` and ``synccheck`` (``--kernel-name kns=mtv_`` instruments this library's kernels
+only: torch's own allocation and read-back kernels are not under test), and ``initcheck`` without the filter: it
+tracks which bytes were written, and is blind to the writes of kernels the filter leaves out (torch's, which make
+these launches' inputs), so that filtered it reports every input read as uninitialized.
 
 The launches cover all four forward instantiations (the 32-row ``<4>`` schedule and the 64-row ``<2>``, each
 with the one-split and the split epilogue), every slice count of the combine (8, 4, 2, 1: fewer than 256,
