@@ -248,7 +248,9 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
     b_only = tl.zeros([ROWS], tl.int32)
     ha, hb = hist_init(ROWS, HIST, NW)
     ntiles = tl.cdiv(n, BLOCK).to(tl.int32)
-    for t in range(pid, ntiles, nprog):
+    t = pid
+    # (a while loop, as the fast pass's: Triton 3.6's interpreter cannot range() over a count read from memory)
+    while t < ntiles:
         base = tl.cast(t, tl.int64) * BLOCK
         rem = tl.minimum(n - base, BLOCK).to(tl.int32)
         m = lane < rem
@@ -280,6 +282,7 @@ def _exact_pass(c_ptr, b_ptr, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.conste
         b_only += tl.sum((m & fc & (~fb)).to(tl.int32), axis=1)
         if HIST:
             ha, hb = hist_add(bins(d, lane, rem, cmp, True, False), ha, hb, HIST, NW)
+        t += nprog
     top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, True, BLOCK, VEC)
     keys = tl.full([ROWS], _key(top, pos), tl.int64)
     hist = hist_final(ha, hb, lane, HIST, NW)
