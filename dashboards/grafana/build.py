@@ -67,6 +67,17 @@ CROSS JOIN LATERAL json_array_elements_text(e.report::json -> 'reasons') AS reas
 ORDER BY e.run_id"""
 
 
+def _by_worker(metric: str) -> str:
+    """``metric`` per (run, pipeline stage, rank) with a ``worker`` label for the legend: ``rank R``, or
+    ``stage S rank R`` for a stage above 0 (a legend cannot be conditional; launches without --pp-size are stage 0).
+    """
+    per = f"max by (run, stage, rank) ({metric}{{{R}}})"
+    joined = f'label_join({per}, "stage_rank", " ", "stage", "rank")'
+    ranked = f'label_replace({joined}, "worker", "rank $1", "rank", "(.*)")'
+    staged = f'label_replace({ranked}, "worker", "stage $1 rank $2", "stage_rank", "([1-9][0-9]*) (.*)")'
+    return f"max by (run, stage, rank, worker) ({staged})"
+
+
 def _target(
     expr: str, legend: str = "", ref: str = "A", instant: bool = False, fmt: str = "time_series"
 ) -> dict[str, Any]:
@@ -451,8 +462,8 @@ def build() -> dict[str, Any]:
             "Producer spool depth",
             [
                 _target(
-                    f"max by (run, stage, rank) (shadowd_producer_spool_depth{{{R}}})",
-                    "run {{run}} stage {{stage}} rank {{rank}}",
+                    _by_worker("shadowd_producer_spool_depth"),
+                    "run {{run}} {{worker}}",
                 )
             ],
             "Batches waiting in each (pipeline stage, rank)'s on-disk spool.",
@@ -466,21 +477,21 @@ def build() -> dict[str, Any]:
             "Producer drops, sequence gaps, device errors",
             [
                 _target(
-                    f"max by (run, stage, rank) (shadowd_producer_dropped_samples{{{R}}})",
-                    "dropped {{run}}/{{stage}}/{{rank}}",
+                    _by_worker("shadowd_producer_dropped_samples"),
+                    "dropped, run {{run}} {{worker}}",
                 ),
                 _target(
-                    f"max by (run, stage, rank) (shadowd_producer_sequence_gaps{{{R}}})",
-                    "gaps {{run}}/{{stage}}/{{rank}}",
+                    _by_worker("shadowd_producer_sequence_gaps"),
+                    "gaps, run {{run}} {{worker}}",
                     ref="B",
                 ),
                 _target(
-                    f"max by (run, stage, rank) (shadowd_producer_device_errors{{{R}}})",
-                    "device errors {{run}}/{{stage}}/{{rank}}",
+                    _by_worker("shadowd_producer_device_errors"),
+                    "device errors, run {{run}} {{worker}}",
                     ref="C",
                 ),
             ],
-            "Running totals reported by producers (legend: run/stage/rank; stage 0 without --pp-size).",
+            "Running totals reported by producers, per (pipeline stage, rank): the legend names the stage above 0.",
         ),
         w=8,
         h=8,
@@ -491,16 +502,16 @@ def build() -> dict[str, Any]:
             "Fallback and disabled candidates",
             [
                 _target(
-                    f"max by (run, stage, rank) (shadowd_producer_fallback{{{R}}})",
-                    "on-mode fallback {{run}}/{{stage}}/{{rank}}",
+                    _by_worker("shadowd_producer_fallback"),
+                    "on-mode fallback, run {{run}} {{worker}}",
                 ),
                 _target(
-                    f"max by (run, stage, rank) (shadowd_producer_candidate_disabled{{{R}}})",
-                    "candidate disabled {{run}}/{{stage}}/{{rank}}",
+                    _by_worker("shadowd_producer_candidate_disabled"),
+                    "candidate disabled, run {{run}} {{worker}}",
                     ref="B",
                 ),
             ],
-            "Producers that took the candidate out of the path (1); legend: run/stage/rank.",
+            "Producers that took the candidate out of the path (1), per (pipeline stage, rank).",
         ),
         w=8,
         h=8,

@@ -61,7 +61,8 @@ def grafana_to_promql(expr: str) -> str:
     """Substitute Grafana's variables as Grafana would with every value selected."""
     for k in sorted(_VARS, key=len, reverse=True):
         expr = expr.replace(k, _VARS[k])
-    assert "$" not in expr, f"unknown variable in {expr!r}"
+    # ($1, $2: label_replace's references to its regex groups, which Grafana leaves as they are)
+    assert not re.search(r"\$(?!\d)", expr), f"unknown variable in {expr!r}"
     return expr
 
 

@@ -121,6 +121,28 @@ def test_every_query_reads_exposed_metrics(exposition: set[str]) -> None:
         assert not unknown, f"{where}: {sorted(unknown)} not in the collector's exposition"
 
 
+def test_producer_legends_name_the_stage_only_above_zero(tmp_path: Any) -> None:
+    """The producer panels' queries, evaluated by promtool over series of stages 0 and 1: ``worker`` is ``rank R`` for
+    stage 0 (every launch without --pp-size) and ``stage S rank R`` above it, and the values stay each series' own."""
+    promtool = require_tool("promtool")
+    exprs = [grafana_to_promql(t["expr"]) for _, t in dashboard_targets() if "{{worker}}" in t.get("legendFormat", "")]
+    assert len(exprs) == 6, exprs
+    workers = {("0", "0"): ("rank 0", 2), ("1", "0"): ("stage 1 rank 0", 5), ("0", "1"): ("rank 1", 7)}
+    tests = []
+    for expr in exprs:
+        (metric,) = metric_names(expr)
+        series = [{"series": f'{metric}{{job="shadowd",instance="c:8787",run="3",stage="{st}",rank="{rk}"}}',
+                   "values": f"{v}x10"} for (st, rk), (_, v) in workers.items()]
+        want = [{"labels": f'{{run="3",stage="{st}",rank="{rk}",worker="{w}"}}', "value": v}
+                for (st, rk), (w, v) in workers.items()]
+        tests.append({"interval": "1m", "input_series": series,
+                      "promql_expr_test": [{"expr": expr, "eval_time": "5m", "exp_samples": want}]})
+    spec = tmp_path / "legends_test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": tests}))
+    p = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
+
+
 def test_provisioning_matches_compose() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     mounts = {
