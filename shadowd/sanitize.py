@@ -16,7 +16,9 @@ PyTorch's caching allocator off, so that every tensor is an allocation of its ow
 except ``initcheck``, which instruments every kernel (``UNFILTERED``): what it checks — was this byte written
 before it is read? — spans kernels, and writes by a kernel the filter leaves out (PyTorch's, which make the
 launches' inputs) are invisible to it, so filtered it reports every input read as uninitialized (on an H100:
-8 353 reads of one launch's inputs, and 0 errors over every launch unfiltered; bench/results),
+8 353 reads of one launch's inputs, and 0 errors over every launch unfiltered; bench/results); a finding in
+another kernel counts too: PyTorch's read-back of an output that the kernel left partly unwritten is where such
+a hole shows,
 with a time limit, and passes when its summary line reports nothing — ``ERROR SUMMARY: 0 errors``, or for
 racecheck ``RACECHECK SUMMARY: 0 hazards displayed`` — and the launches themselves succeeded (exit 0). A tool whose
 version refuses the kernel-name filter is run again checking every kernel. The executable is
