@@ -126,6 +126,7 @@ def readiness(
     token: Annotated[str | None, typer.Option(help="bearer token", envvar="SHADOWD_TOKEN")] = None,
     expect_fingerprint: Annotated[str | None, typer.Option(
         "--expect-fingerprint", help="the candidate build the gate is for: another fingerprint exits 1")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the last answer as JSON (same exit codes)")] = False,
 ) -> None:
     """Print the verdict and its reasons; a pipeline gate.
 
@@ -135,7 +136,8 @@ def readiness(
 
     _check_seconds(wait, "'--wait'")
     _check_url(url)
-    raise typer.Exit(readiness_command(url, run, wait, token, expect_fingerprint=expect_fingerprint))
+    raise typer.Exit(readiness_command(url, run, wait, token, expect_fingerprint=expect_fingerprint,
+                                       as_json=as_json))
 
 
 @app.command()

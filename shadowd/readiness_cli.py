@@ -16,10 +16,16 @@ and prints a line whenever the verdict or its first reason changes while it wait
 
 ``--expect-fingerprint FP``: the gate is for that candidate build. A run whose candidate fingerprint differs is
 NOT_READY for it (exit 1, saying both), whatever its verdict.
+
+``--json`` prints the last answer as one JSON document instead (the collector's readiness body — verdict,
+criteria with their figures, producer notes — plus ``exit_code``), for a pipeline that keeps the evidence of its
+gate; the exit codes are the same, and a wait's progress lines go to standard error.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +43,7 @@ __all__ = [
     "evidence_lines",
     "fetch_readiness",
     "format_report",
+    "json_report",
     "readiness_command",
 ]
 
@@ -125,15 +132,29 @@ def format_report(body: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def json_report(body: dict[str, Any], code: int, wrong_candidate: str | None = None) -> str:
+    """The ``--json`` form of an answer: the collector's readiness body (criteria, figures, producer notes) with
+    the gate's ``exit_code``, and ``wrong_candidate`` when ``--expect-fingerprint`` refused it; an unreachable or
+    refusing collector gives ``{"exit_code": ..., "error": ...}``."""
+    out = {"exit_code": code, **body}
+    if wrong_candidate is not None:
+        out["wrong_candidate"] = wrong_candidate
+    return json.dumps(out, indent=2, sort_keys=True)
+
+
 def readiness_command(url: str, run_id: int | None = None, wait_s: float = 0.0, token: str | None = None, *,
                       poll_s: float = 5.0, client: httpx.Client | None = None,
-                      echo: Callable[[str], None] = print, expect_fingerprint: str | None = None) -> int:
+                      echo: Callable[[str], None] = print, expect_fingerprint: str | None = None,
+                      as_json: bool = False, progress: Callable[[str], None] | None = None) -> int:
     """Print the verdict of ``run_id`` (latest run when None) at ``url``; return the exit code.
 
     With ``wait_s`` > 0, poll every ``poll_s`` seconds until READY, a NOT_READY that holds for the run, or
     ``wait_s`` has passed. ``expect_fingerprint``: see the module docstring. ``client`` replaces the HTTP client
-    (tests pass a TestClient).
+    (tests pass a TestClient). ``as_json``: the last answer goes out as :func:`json_report`, one JSON document,
+    and the progress lines of a wait go to ``progress`` (default: standard error), so that standard output parses.
     """
+    if progress is None:
+        progress = echo if not as_json else (lambda line: print(line, file=sys.stderr))
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     own = client is None
     http = client if client is not None else httpx.Client(base_url=url.rstrip("/"), timeout=10.0)
@@ -146,17 +167,20 @@ def readiness_command(url: str, run_id: int | None = None, wait_s: float = 0.0, 
             code, body = fetch_readiness(http, run_id)
             wrong = _wrong_candidate(body, expect_fingerprint)
             if wrong is not None:
-                echo(format_report(body))
-                echo(f"NOT_READY for the expected candidate: {wrong}")
+                if as_json:
+                    echo(json_report(body, EXIT_NOT_READY, wrong))
+                else:
+                    echo(format_report(body))
+                    echo(f"NOT_READY for the expected candidate: {wrong}")
                 return EXIT_NOT_READY
             remaining = deadline - time.monotonic()
             if (code in (EXIT_READY, EXIT_REFUSED) or remaining <= 0
                     or (code == EXIT_NOT_READY and _sticky(body))):
-                echo(format_report(body))
+                echo(json_report(body, code) if as_json else format_report(body))
                 return code
             now = (body.get("verdict"), (body.get("reasons") or [body.get("error")])[0])
             if now != last:  # progress while waiting: what stands in the way, when it changes
-                echo(f"waiting ({remaining:.0f} s left): {now[0] or 'no verdict'}: {now[1]}")
+                progress(f"waiting ({remaining:.0f} s left): {now[0] or 'no verdict'}: {now[1]}")
                 last = now
             time.sleep(min(poll_s, remaining))
     finally:

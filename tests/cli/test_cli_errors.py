@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,6 +122,42 @@ def test_readiness_for_an_expected_candidate_build() -> None:
     assert readiness_command("http://x", 9, client=client, echo=out.append, expect_fingerprint="fp-new") == 1
     assert "not the expected fp-new" in out[-1]
     assert readiness_command("http://x", 9, client=client, echo=out.append, expect_fingerprint="fp-old") == 0
+
+
+def test_readiness_json_is_one_document_with_the_exit_code_and_the_evidence() -> None:
+    # (a pipeline that keeps the evidence of its gate parses standard output: progress lines go elsewhere)
+    crit = [{"name": "exceedance", "status": "pass", "detail": "0/300 steps exceed"}]
+    bodies = [_verdict("INSUFFICIENT_DATA"), _verdict("READY", crit, fp="fp-old")]
+    calls: list[int] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        body = bodies[min(len(calls), len(bodies)) - 1]
+        return httpx.Response(200 if body["verdict"] == "READY" else 503, json=body)
+
+    client = httpx.Client(base_url="http://x", transport=httpx.MockTransport(handle))
+    out: list[str] = []
+    side: list[str] = []
+    assert readiness_command("http://x", 9, wait_s=60, poll_s=0.01, client=client, echo=out.append,
+                             as_json=True, progress=side.append) == 0
+    assert len(out) == 1 and side and side[0].startswith("waiting (60 s left): INSUFFICIENT_DATA")
+    doc = json.loads(out[0])
+    assert doc["exit_code"] == 0 and doc["verdict"] == "READY" and doc["criteria"] == crit and doc["run_id"] == 9
+    out.clear()
+    assert readiness_command("http://x", 9, client=client, echo=out.append, as_json=True,
+                             expect_fingerprint="fp-new") == EXIT_NOT_READY
+    doc = json.loads(out[0])
+    assert doc["exit_code"] == 1 and doc["verdict"] == "READY" and "not the expected fp-new" in doc["wrong_candidate"]
+    out.clear()
+    assert readiness_command("http://127.0.0.1:9", 9, echo=out.append, as_json=True) == EXIT_UNREACHABLE
+    doc = json.loads(out[0])
+    assert doc["exit_code"] == EXIT_UNREACHABLE and doc["error"].startswith("collector unreachable")
+
+
+def test_readiness_json_through_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["readiness", "--url", "http://127.0.0.1:9", "--run", "3", "--json"]) == EXIT_UNREACHABLE
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == EXIT_UNREACHABLE and "unreachable" in doc["error"]
 
 
 def test_version_flag_and_command(capsys: pytest.CaptureFixture[str]) -> None:
