@@ -45,6 +45,7 @@ __all__ = [
     "format_report",
     "json_report",
     "readiness_command",
+    "timing_line",
 ]
 
 EXIT_READY = 0
@@ -112,9 +113,24 @@ def evidence_lines(body: dict[str, Any]) -> list[str]:
     return lines
 
 
+def timing_line(body: dict[str, Any]) -> str | None:
+    """The measured speed-up of a readiness answer (its ``timing``) as one line, with the shape bucket where it is
+    lowest when there are several; None before any call was timed (or from a collector that reports none)."""
+    t = body.get("timing")
+    if not isinstance(t, dict) or not t.get("timed_calls") or t.get("speedup") is None:
+        return None
+    line = (f"  speed-up {t['speedup']:.2f}x over {t['timed_calls']} timed calls: "
+            f"candidate {t['candidate_us']:.1f} µs, baseline {t['baseline_us']:.1f} µs per call")
+    buckets = [b for b in t.get("buckets") or [] if isinstance(b, dict) and b.get("speedup") is not None]
+    if len(buckets) > 1:
+        low = min(buckets, key=lambda b: b["speedup"])
+        line += f"; lowest {low['speedup']:.2f}x in {low['bucket']} ({low['timed_calls']} calls)"
+    return line
+
+
 def format_report(body: dict[str, Any]) -> str:
-    """The verdict line, then one line per reason (or, for READY, per criterion passed: :func:`evidence_lines`),
-    and why a rank's candidate was disabled or fell back."""
+    """The verdict line, then one line per reason (or, for READY, per criterion passed: :func:`evidence_lines`), the
+    measured speed-up (:func:`timing_line`), and why a rank's candidate was disabled or fell back."""
     if "verdict" not in body:
         return f"ERROR {body.get('error', body)}"
     head = f"{body['verdict']}  run {body.get('run_id')} ({body.get('run_key', '')})"
@@ -124,6 +140,9 @@ def format_report(body: dict[str, Any]) -> str:
     lines = [head]
     lines += [f"  - {r}" for r in body.get("reasons", [])]
     lines += evidence_lines(body)
+    speed = timing_line(body)
+    if speed is not None:
+        lines.append(speed)
     for n in body.get("producer_notes") or []:
         for what, key in (("candidate disabled", "disabled_reason"), ("fell back", "fallback_reason")):
             if n.get(key):

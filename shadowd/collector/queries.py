@@ -11,10 +11,11 @@ from sqlalchemy import Engine, func, select
 from shadowd.collector import tables as t
 from shadowd.collector.store import UnknownRun
 from shadowd.judge.inputs import RunRollups, StepCounts
+from shadowd.judge.report import bucket_label
 from shadowd.wire import SPEC_MODES
 
 __all__ = ["layer_summary", "list_runs", "load_rollups", "producer_notes", "producers_of", "run_row",
-           "runs_for_metrics", "speculative", "speculative_of"]
+           "runs_for_metrics", "speculative", "speculative_of", "timing"]
 
 
 def list_runs(engine: Engine, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
@@ -95,6 +96,28 @@ def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
             "base_us": a["sum_base_us"] / a["n_timed"] if a["n_timed"] else None,
         })
     return out
+
+
+def _timed(n: float, cand: float, base: float) -> dict[str, Any]:
+    return {"timed_calls": int(n), "candidate_us": cand / n if n else None, "baseline_us": base / n if n else None,
+            "speedup": base / cand if n and cand > 0 else None}
+
+
+def timing(engine: Engine, run_id: int) -> dict[str, Any]:
+    """The speed-up the run measured — the reason to switch: mean candidate and baseline device time per timed call
+    (both timed on the same call, from events around each), their ratio, overall and per shape bucket (busiest
+    first), folded from the (layer, bucket) cells. ``speedup`` is None until a call was timed."""
+    total = [0.0, 0.0, 0.0]
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for c in _cells(engine, run_id):
+        if not c["n_timed"]:
+            continue
+        for acc in (total, per[bucket_label(c)]):
+            acc[0] += c["n_timed"]
+            acc[1] += c["sum_cand_us"]
+            acc[2] += c["sum_base_us"]
+    buckets = [{"bucket": label, **_timed(*v)} for label, v in sorted(per.items(), key=lambda kv: (-kv[1][0], kv[0]))]
+    return {**_timed(*total), "buckets": buckets}
 
 
 def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s: float = 900.0,

@@ -159,6 +159,31 @@ def test_cli_exit_codes(env: Env) -> None:
     assert out[-1].startswith("ERROR collector unreachable")
 
 
+def test_the_readiness_answer_reports_the_measured_speed_up(env: Env) -> None:
+    """The reason to switch beside the verdict: mean device time of both per timed call, their ratio, overall and
+    per shape bucket, with the lowest bucket named in the CLI's report."""
+    rid = env.run()
+    out: list[str] = []
+    readiness_command("http://testserver", rid, client=env.client, echo=out.append)
+    assert env.client.get("/readiness", params={"run_id": rid}).json()["timing"] == {
+        "timed_calls": 0, "candidate_us": None, "baseline_us": None, "speedup": None, "buckets": []}
+    assert "speed-up" not in out[0]
+    env.post(rid, 300, 0, shapes=[(1, 16, 32768, 8)], cand_us=50.0, base_us=5000.0)  # 100x at long prefix
+    env.post(rid, 100, 300, shapes=[(16, 8, 8192, 8)], cand_us=100.0, base_us=1300.0)  # 13x in a batch
+    env.post(rid, 50, 400, shapes=[(16, 8, 8192, 8)])  # untimed calls count in neither
+    timing = env.client.get("/readiness", params={"run_id": rid}).json()["timing"]
+    assert timing["timed_calls"] == 400
+    assert timing["candidate_us"] == pytest.approx((300 * 50 + 100 * 100) / 400)
+    assert timing["baseline_us"] == pytest.approx((300 * 5000 + 100 * 1300) / 400)
+    assert timing["speedup"] == pytest.approx((300 * 5000 + 100 * 1300) / (300 * 50 + 100 * 100))
+    assert [(b["timed_calls"], round(b["speedup"], 6)) for b in timing["buckets"]] == [(300, 100.0), (100, 13.0)]
+    out.clear()
+    readiness_command("http://testserver", rid, client=env.client, echo=out.append)
+    low = timing["buckets"][1]["bucket"]
+    assert f"speed-up {timing['speedup']:.2f}x over 400 timed calls" in out[0]
+    assert f"lowest 13.00x in {low} (100 calls)" in out[0]
+
+
 def test_evaluations_run_on_a_cadence_in_the_lifespan(tmp_path: Path) -> None:
     demo = Path(__file__).parents[2] / "shadowd" / "policies" / "demo.toml"
     e = Env(tmp_path, policy=demo.read_text(), interval=0.05, time_bucket_s=5)

@@ -36,8 +36,9 @@ def get_evaluator(request: Request, state: AppState) -> Evaluator:
 async def readiness(request: Request, state: State,
                     run_id: int | None = Query(None, ge=1, le=ROW_ID_MAX)) -> JSONResponse:
     """The verdict of ``run_id`` (the latest run when omitted), with every criterion and the reasons; beside it
-    SGLang's accept length per mode and, per producer that reported one, why its candidate was disabled or fell
-    back (``producer_notes``)."""
+    SGLang's accept length per mode, per producer that reported one why its candidate was disabled or fell back
+    (``producer_notes``), and the measured speed-up (``timing``: mean device time per call of both, overall and per
+    shape bucket)."""
     ev = get_evaluator(request, state)
 
     def work() -> dict[str, Any]:
@@ -46,8 +47,10 @@ async def readiness(request: Request, state: State,
         report = ev.latest_or_evaluate(run["id"], run=run, gave_up=bool(notes))
         # the end-to-end effect beside the verdict: SGLang's accept length in each mode of the run
         spec = queries.speculative(state.engine, run["id"])
+        # and the reason to switch: the candidate's measured speed-up over the baseline
+        timed = queries.timing(state.engine, run["id"])
         return {"run_id": run["id"], "run_key": run["run_key"], **report, "speculative": spec,
-                "producer_notes": notes}
+                "producer_notes": notes, "timing": timed}
 
     report = await run_in_threadpool(work)
     return JSONResponse(report, status_code=200 if report["verdict"] == READY else 503)
