@@ -58,6 +58,8 @@ def rebuilt(x: Any, copies: dict[int, torch.Tensor], depth: int = 0) -> Any:
 
 
 def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Every tensor among a call's arguments, those inside list / tuple / dict arguments included (:func:`leaves`),
+    positional ones first."""
     out: list[torch.Tensor] = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):  # (the common case without a generator: this runs on every call)
