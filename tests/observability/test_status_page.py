@@ -43,8 +43,22 @@ def test_run_without_evaluation(client: TestClient) -> None:
     page = client.get(f"/?run_id={run_id}").text
     assert "no evaluation yet" in page
     assert "accept length by mode</dt><dd>not reported" in page
+    assert "speed-up</dt><dd>no timed calls yet" in page
     assert 'id="heatmap"' in page and 'id="exceedance"' in page
     assert page.count("<rect") >= 4  # one cell per layer at least
+    _assert_self_contained(page)
+
+
+def test_the_run_section_shows_the_measured_speed_up(client: TestClient) -> None:
+    run_id = client.post("/v1/runs", json=run_body("timed", num_layers=2)).json()["id"]
+    timed = [make_batch(300, num_layers=2, seq=0, shapes=[(1, 16, 32768, 8)], cand_us=50.0, base_us=5000.0),
+             make_batch(100, num_layers=2, seq=1, step0=150, shapes=[(16, 8, 8192, 8)], cand_us=100.0, base_us=1300.0)]
+    for b in timed:
+        assert client.post(f"/v1/runs/{run_id}/samples", json=b).status_code == 200
+    page = client.get(f"/?run_id={run_id}").text
+    speed = (300 * 5000 + 100 * 1300) / (300 * 50 + 100 * 100)
+    assert (f"speed-up</dt><dd>{speed:.2f}× · 62.5 / 4075.0 µs per call (candidate / baseline) · 400 timed calls · "
+            "lowest 13.00× in bs16-t8-p") in page
     _assert_self_contained(page)
 
 

@@ -51,6 +51,7 @@ class StatusData:
     layers: list[dict[str, Any]] = field(default_factory=list)
     slots: list[dict[str, Any]] = field(default_factory=list)
     producers: list[dict[str, Any]] = field(default_factory=list)
+    timing: dict[str, Any] | None = None
     tolerance: float = 1.6e-2
     bucket_s: int = 60
 
@@ -67,6 +68,7 @@ def load_status(engine: Engine, run_id: int | None, tolerance: float, bucket_s: 
         data.runs = [*runs, run]
     data.layers = queries.layer_summary(engine, run["id"])
     data.producers = queries.producers_of(engine, run["id"])
+    data.timing = queries.timing(engine, run["id"])
     c = t.timeslots.c
     with engine.connect() as conn:
         ev = (
@@ -203,7 +205,21 @@ def _verdict_section(data: StatusData) -> str:
     return "".join(parts)
 
 
-def _run_section(run: dict[str, Any], producers: list[dict[str, Any]] | None = None) -> str:
+def _speedup(timing: dict[str, Any] | None) -> str:
+    """The run's measured speed-up (``queries.timing``) for the run section, with its lowest shape bucket."""
+    if not timing or timing.get("speedup") is None:
+        return "no timed calls yet"
+    text = (f"{timing['speedup']:.2f}× · {timing['candidate_us']:.1f} / {timing['baseline_us']:.1f} µs per call "
+            f"(candidate / baseline) · {timing['timed_calls']:,} timed calls")
+    buckets = [b for b in timing.get("buckets") or [] if b.get("speedup") is not None]
+    if len(buckets) > 1:
+        low = min(buckets, key=lambda b: b["speedup"])
+        text += f" · lowest {low['speedup']:.2f}× in {low['bucket']}"
+    return text
+
+
+def _run_section(run: dict[str, Any], producers: list[dict[str, Any]] | None = None,
+                 timing: dict[str, Any] | None = None) -> str:
     spec = queries.speculative_of(producers or [])
     accept = " · ".join(f"{m} {v['accept_length']:.2f}" for m, v in spec.items()) or "not reported"
     items = [
@@ -221,6 +237,7 @@ def _run_section(run: dict[str, Any], producers: list[dict[str, Any]] | None = N
         ("last ingest", _utc(run["last_ingest_at"]) if run["last_ingest_at"] else "never"),
         ("kill switch", run["mode_override"] or "none"),
         ("accept length by mode", accept),
+        ("speed-up", _speedup(timing)),
     ]
     body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(str(v))}</dd>" for k, v in items)
     return f'<section id="run"><h2>Run</h2><dl class="info">{body}</dl></section>'
@@ -348,7 +365,7 @@ def render_status(data: StatusData) -> str:
     body = "".join(
         [
             _verdict_section(data),
-            _run_section(run, data.producers),
+            _run_section(run, data.producers, data.timing),
             '<section id="heatmap-section"><h2>Per-layer heatmap: largest per-call rel-L2 vs tolerance</h2>'
             f"{window}"
             f'<div class="plot">{heatmap_svg(data.slots, int(run["num_layers"]), data.tolerance)}</div>'
