@@ -121,9 +121,8 @@ def timing_line(body: dict[str, Any]) -> str | None:
         return None
     line = (f"  speed-up {t['speedup']:.2f}x over {t['timed_calls']} timed calls: "
             f"candidate {t['candidate_us']:.1f} µs, baseline {t['baseline_us']:.1f} µs per call")
-    buckets = [b for b in t.get("buckets") or [] if isinstance(b, dict) and b.get("speedup") is not None]
-    if len(buckets) > 1:
-        low = min(buckets, key=lambda b: b["speedup"])
+    low = t.get("lowest_bucket")
+    if isinstance(low, dict):
         line += f"; lowest {low['speedup']:.2f}x in {low['bucket']} ({low['timed_calls']} calls)"
     return line
 

@@ -13,17 +13,18 @@ Each tool (``memcheck``, ``racecheck``, ``initcheck``, ``synccheck``) runs in a 
 
 (the kernel's representative launches, ``mla_tree_verify.sanitize``; only the kernel's own launches instrumented;
 PyTorch's caching allocator off, so that every tensor is an allocation of its own to the tools),
-except ``initcheck``, which instruments every kernel (``UNFILTERED``): what it checks — was this byte written
-before it is read? — spans kernels, and writes by a kernel the filter leaves out (PyTorch's, which make the
-launches' inputs) are invisible to it, so filtered it reports every input read as uninitialized (on an H100:
-8 353 reads of one launch's inputs, and 0 errors over every launch unfiltered; bench/results); a finding in
-another kernel counts too: PyTorch's read-back of an output that the kernel left partly unwritten is where such
-a hole shows,
 with a time limit, and passes when its summary line reports nothing — ``ERROR SUMMARY: 0 errors``, or for
 racecheck ``RACECHECK SUMMARY: 0 hazards displayed`` — and the launches themselves succeeded (exit 0). A tool whose
 version refuses the kernel-name filter is run again checking every kernel. The executable is
 ``$COMPUTE_SANITIZER``, else ``compute-sanitizer`` on ``PATH``, beside ``$NVCC``, under ``$CUDA_HOME/bin`` or
 ``/usr/local/cuda/bin``. Every tool's whole output is kept in a log directory, named when a tool fails.
+
+``initcheck`` is the exception to the filter (``UNFILTERED``): it instruments every kernel. What it checks — was
+this byte written before it is read? — spans kernels, and the writes of a kernel the filter leaves out (PyTorch's,
+which make the launches' inputs) are invisible to it: filtered, it reports every input read as uninitialized (on
+an H100, 8 353 reads of one launch's inputs; unfiltered, 0 errors over every launch: bench/results). A finding in
+another kernel fails the run too: PyTorch's read-back of an output the kernel left partly unwritten is where such
+a hole shows.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def _timed(n: float, cand: float, base: float) -> dict[str, Any]:
 def timing(engine: Engine, run_id: int) -> dict[str, Any]:
     """The speed-up the run measured — the reason to switch: mean candidate and baseline device time per timed call
     (both timed on the same call, from events around each), their ratio, overall and per shape bucket (busiest
-    first), folded from the (layer, bucket) cells. ``speedup`` is None until a call was timed."""
+    first), folded from the (layer, bucket) cells; ``lowest_bucket`` is the bucket of the lowest speed-up when
+    there are several. ``speedup`` is None until a call was timed."""
     total = [0.0, 0.0, 0.0]
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for c in _cells(engine, run_id):
@@ -117,7 +118,9 @@ def timing(engine: Engine, run_id: int) -> dict[str, Any]:
             acc[1] += c["sum_cand_us"]
             acc[2] += c["sum_base_us"]
     buckets = [{"bucket": label, **_timed(*v)} for label, v in sorted(per.items(), key=lambda kv: (-kv[1][0], kv[0]))]
-    return {**_timed(*total), "buckets": buckets}
+    ranked = [b for b in buckets if b["speedup"] is not None]
+    lowest = min(ranked, key=lambda b: b["speedup"]) if len(ranked) > 1 else None
+    return {**_timed(*total), "buckets": buckets, "lowest_bucket": lowest}
 
 
 def load_rollups(engine: Engine, run_id: int, now: float | None = None, recent_s: float = 900.0,

@@ -166,7 +166,8 @@ def test_the_readiness_answer_reports_the_measured_speed_up(env: Env) -> None:
     out: list[str] = []
     readiness_command("http://testserver", rid, client=env.client, echo=out.append)
     assert env.client.get("/readiness", params={"run_id": rid}).json()["timing"] == {
-        "timed_calls": 0, "candidate_us": None, "baseline_us": None, "speedup": None, "buckets": []}
+        "timed_calls": 0, "candidate_us": None, "baseline_us": None, "speedup": None, "buckets": [],
+        "lowest_bucket": None}
     assert "speed-up" not in out[0]
     env.post(rid, 300, 0, shapes=[(1, 16, 32768, 8)], cand_us=50.0, base_us=5000.0)  # 100x at long prefix
     env.post(rid, 100, 300, shapes=[(16, 8, 8192, 8)], cand_us=100.0, base_us=1300.0)  # 13x in a batch
@@ -179,6 +180,7 @@ def test_the_readiness_answer_reports_the_measured_speed_up(env: Env) -> None:
     assert [(b["timed_calls"], round(b["speedup"], 6)) for b in timing["buckets"]] == [(300, 100.0), (100, 13.0)]
     out.clear()
     readiness_command("http://testserver", rid, client=env.client, echo=out.append)
+    assert timing["lowest_bucket"] == timing["buckets"][1]
     low = timing["buckets"][1]["bucket"]
     assert f"speed-up {timing['speedup']:.2f}x over 400 timed calls" in out[0]
     assert f"lowest 13.00x in {low} (100 calls)" in out[0]

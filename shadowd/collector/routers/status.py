@@ -211,9 +211,8 @@ def _speedup(timing: dict[str, Any] | None) -> str:
         return "no timed calls yet"
     text = (f"{timing['speedup']:.2f}× · {timing['candidate_us']:.1f} / {timing['baseline_us']:.1f} µs per call "
             f"(candidate / baseline) · {timing['timed_calls']:,} timed calls")
-    buckets = [b for b in timing.get("buckets") or [] if b.get("speedup") is not None]
-    if len(buckets) > 1:
-        low = min(buckets, key=lambda b: b["speedup"])
+    low = timing.get("lowest_bucket")
+    if low is not None:
         text += f" · lowest {low['speedup']:.2f}× in {low['bucket']}"
     return text
 
