@@ -71,6 +71,8 @@ class HookRuntime:
         #: a weak reference to the ShadowSite whose first-layer calls advance ``step`` (the first one to make such a
         #: call; a site that replaces it once it is gone takes over)
         self.step_site: Any = None
+        #: the names of the sites that feed this runtime (:meth:`join_site`)
+        self.site_names: set[str] = set()
         self.calls = 0
         self.emitted = 0
         # compared calls whose candidate raised, raised its error word or wrote a NaN / Inf (eager calls as they
@@ -140,6 +142,18 @@ class HookRuntime:
             self.mode = mode
             self.mode_code = MODE_CODE[mode]
             self._sync_device()
+
+    def join_site(self, name: str) -> None:
+        """A :class:`shadowd.hook.site.ShadowSite` named ``name`` feeds this runtime. Samples carry no site name: the
+        statistics of differently named sites are stored and judged together, per layer and shape bucket, in the
+        process's one run — say so once, when a second name joins."""
+        if name not in self.site_names:
+            self.site_names.add(name)
+            if len(self.site_names) == 2:
+                log.warning("shadowd: sites %s share this process's run: their samples carry no site name and are "
+                            "stored and judged together per layer and shape bucket (one verdict for all of them); "
+                            "to judge candidates apart, shadow each in a run of its own",
+                            ", ".join(repr(n) for n in sorted(self.site_names)))
 
     def disable(self, reason: str) -> None:
         with self._mode_lock:

@@ -151,6 +151,7 @@ class ShadowSite:
         self.candidate = candidate
         self.oracle = oracle
         self.rt = runtime or get_runtime()
+        self.rt.join_site(name)
         self.first_layer = first_layer
         self.clone_max_bytes = clone_max_bytes
         #: argument positions / keyword names never cloned for the candidate, whatever their size (watched

@@ -169,9 +169,11 @@ def oracle(r: RunRollups, p: Policy) -> Criterion:
         return Criterion("oracle", PASS, None, p.oracle_k, "no oracle samples (rule not applicable)")
     bad = sorted(lay for lay, m in medians.items() if not_le(m, p.oracle_k))
     worst = max(medians.values(), key=lambda v: float("inf") if math.isnan(v) else v)
-    detail = (f"median candidate/baseline oracle error ratio ≤ {worst:.3g} in layers {bad} "
-              f"is above k={p.oracle_k}"
-              if bad else f"median oracle error ratio ≤ {worst:.3g} in every sampled layer (k={p.oracle_k})")
+    # (a median is read as its bin's upper edge: "≤")
+    detail = (f"median candidate/baseline oracle-error ratio above the limit k={p.oracle_k:g} in layers {bad} "
+              f"(worst ≤ {worst:.3g})"
+              if bad else f"median candidate/baseline oracle-error ratio ≤ {worst:.3g} in every sampled layer "
+              f"(limit k={p.oracle_k:g})")
     return Criterion("oracle", FAIL if bad else PASS, worst, p.oracle_k, detail, bad,
                      extra={"oracle_layers": len(medians)})
 

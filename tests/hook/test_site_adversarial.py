@@ -57,6 +57,21 @@ def test_tensors_inside_lists_and_dicts_are_protected_too() -> None:
     assert sink[0]["error"] == "input_modified" and rt.disabled
 
 
+def test_a_second_site_name_on_one_runtime_is_reported_once(caplog: pytest.LogCaptureFixture) -> None:
+    # samples carry no site name: two differently named sites of one process are judged together, which the
+    # hook says (once) rather than letting the user find out from a verdict over mixed statistics
+    rt, _sink = make_runtime("validate")
+    with caplog.at_level("WARNING", logger="shadowd.hook"):
+        ShadowSite("attn", base_fn, cand_fn, runtime=rt)
+        ShadowSite("attn", base_fn, cand_fn, runtime=rt)  # the same site made again (a plugin reloaded): silent
+        assert not [r for r in caplog.records if "share this process's run" in r.getMessage()]
+        ShadowSite("mlp", base_fn, cand_fn, runtime=rt)
+        ShadowSite("moe", base_fn, cand_fn, runtime=rt)
+    said = [r.getMessage() for r in caplog.records if "share this process's run" in r.getMessage()]
+    assert len(said) == 1 and "'attn', 'mlp'" in said[0], said
+    assert rt.site_names == {"attn", "mlp", "moe"}
+
+
 def test_two_sites_on_one_runtime_sample_every_layer_of_a_sampled_step() -> None:
     # attention and MLP of the same layers, both first_layer 0, sampling 1 in 2: the step advanced twice per model
     # step, so attention layer 0 was never sampled and the other pairs always

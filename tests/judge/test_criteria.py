@@ -142,6 +142,10 @@ def test_oracle_rule_both_sides() -> None:
     rep = _with_oracle(4.0)
     assert criterion(rep, "oracle")["status"] == "fail" and rep["verdict"] == NOT_READY
     assert criterion(judge(rollups(), SMALL), "oracle")["status"] == "pass"  # no oracle samples
+    # the detail names the ratio, the limit and (failing) the layers, as the readiness evidence line shows it
+    ok, bad = criterion(_with_oracle(1.0), "oracle")["detail"], criterion(rep, "oracle")["detail"]
+    assert "candidate/baseline oracle-error ratio ≤" in ok and "every sampled layer" in ok and "limit k=" in ok, ok
+    assert "above the limit k=" in bad and "layers [0]" in bad and "worst ≤" in bad, bad
 
 
 # ---- exceedance ----------------------------------------------------------------------------------
