@@ -18,12 +18,13 @@ first use); every :class:`shadowd.hook.site.ShadowSite` of the process shares it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from shadowd.hook.config import MODE_CODE, MODES, HookConfig
@@ -91,6 +92,23 @@ class HookRuntime:
         _RUNTIMES.add(self)
         self._apply_mode()
 
+    @classmethod
+    def from_env(cls, run_key: str | None = None, *, env: Mapping[str, str] | None = None,
+                 sink: Callable[[dict[str, Any]], Any] | None = None) -> HookRuntime:
+        """A runtime configured from the environment (:meth:`HookConfig.from_env`), with ``run_key`` in place of
+        ``SHADOWD_RUN_KEY`` when given.
+
+        This is how one process shadows a second candidate apart from the first: the sites of each candidate take
+        a runtime of their own (``ShadowSite(..., runtime=rt)``), which registers its own run
+        (:meth:`start_streaming`) and so has its own verdict, kill switch, disabled / fallback state, step counter,
+        producer and spool directory. Mode, sampling, collector and limits are the environment's, shared."""
+        cfg = HookConfig.from_env(env)
+        if run_key is not None:
+            if not isinstance(run_key, str) or not run_key.strip():
+                raise ValueError(f"run_key: a non-empty string names the run, got {run_key!r}")
+            cfg = dataclasses.replace(cfg, run_key=run_key)
+        return cls(cfg, sink=sink)
+
     # ---- mode and sticky states ----------------------------------------------------------------
     def set_override(self, override: str | None) -> None:
         """Apply the collector's kill switch (``None`` clears it); takes effect on the next call."""
@@ -150,9 +168,11 @@ class HookRuntime:
         if name not in self.site_names:
             self.site_names.add(name)
             if len(self.site_names) == 2:
-                log.warning("shadowd: sites %s share this process's run: their samples carry no site name and are "
-                            "stored and judged together per layer and shape bucket (one verdict for all of them); "
-                            "to judge candidates apart, shadow each in a run of its own",
+                log.warning("shadowd: sites %s share one runtime and so one run: their samples carry no site name "
+                            "and are stored and judged together per layer and shape bucket (one verdict, one kill "
+                            "switch, one disabled / fallback state for all of them); to judge a candidate apart, give "
+                            "its sites a runtime of their own: ShadowSite(..., runtime=HookRuntime.from_env("
+                            "run_key=...)), registered with its start_streaming",
                             ", ".join(repr(n) for n in sorted(self.site_names)))
 
     def disable(self, reason: str) -> None:

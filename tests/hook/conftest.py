@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,16 @@ import torch
 from shadowd.client import CollectorClient, CollectorError
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.runtime import HookRuntime
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 30.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass; whether it held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def free_port() -> int:

@@ -64,11 +64,11 @@ def test_a_second_site_name_on_one_runtime_is_reported_once(caplog: pytest.LogCa
     with caplog.at_level("WARNING", logger="shadowd.hook"):
         ShadowSite("attn", base_fn, cand_fn, runtime=rt)
         ShadowSite("attn", base_fn, cand_fn, runtime=rt)  # the same site made again (a plugin reloaded): silent
-        assert not [r for r in caplog.records if "share this process's run" in r.getMessage()]
+        assert not [r for r in caplog.records if "share one runtime and so one run" in r.getMessage()]
         ShadowSite("mlp", base_fn, cand_fn, runtime=rt)
         ShadowSite("moe", base_fn, cand_fn, runtime=rt)
-    said = [r.getMessage() for r in caplog.records if "share this process's run" in r.getMessage()]
-    assert len(said) == 1 and "'attn', 'mlp'" in said[0], said
+    said = [r.getMessage() for r in caplog.records if "share one runtime and so one run" in r.getMessage()]
+    assert len(said) == 1 and "'attn', 'mlp'" in said[0] and "HookRuntime.from_env(run_key=...)" in said[0], said
     assert rt.site_names == {"attn", "mlp", "moe"}
 
 

@@ -21,7 +21,7 @@ from shadowd.hook.site import ShadowSite
 from shadowd.hook.spool import Spool, spool_dir
 from shadowd.hook.streamer import Streamer, build_batch
 from shadowd.wire import HIST_BINS, decode_msgpack, encode_msgpack
-from tests.hook.conftest import Collector, base_fn, cand_fn, free_port, inputs, make_runtime, run_body
+from tests.hook.conftest import Collector, base_fn, cand_fn, free_port, inputs, make_runtime, run_body, wait_for
 
 
 def sample(i: int, layer: int = 0) -> dict[str, Any]:
@@ -30,15 +30,6 @@ def sample(i: int, layer: int = 0) -> dict[str, Any]:
             "rel_l2": 2e-3, "cos_diff": 2e-6, "out_scale": 1.0, "nan_base": 0, "inf_base": 0, "nan_cand": 0,
             "inf_cand": 0, "cand_nonfinite": 0, "base_nonfinite": 0, "hist": [0] * (HIST_BINS - 1) + [4096],
             "error": None, "mode": "validate", "cand_us": 10.0, "base_us": 20.0}
-
-
-def wait_for(cond: Any, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_batches_are_valid_wire_batches() -> None:

@@ -15,8 +15,8 @@ from shadowd.client import CollectorClient
 from shadowd.hook.spool import PENDING_RUN, Spool, spool_dir
 from shadowd.hook.streamer import Streamer
 from shadowd.wire import decode_msgpack, encode_msgpack
-from tests.hook.conftest import Collector, run_body
-from tests.hook.test_streamer import Silent, db_samples, sample, wait_for
+from tests.hook.conftest import Collector, run_body, wait_for
+from tests.hook.test_streamer import Silent, db_samples, sample
 
 
 def _calls(collector: Collector, run_id: int) -> list[int]:
