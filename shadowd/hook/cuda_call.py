@@ -41,8 +41,10 @@ candidate-only non-finite) before its output is chosen. A record is published on
 and for every hard failure. Likewise, in validate mode, a call site with a ``candidate_gate`` (the SGLang
 verify site) hands the candidate zero work sizes on replays that do not compare it: unsampled calls, the
 kill switch, a disabled candidate — so sampling 1 in N under a graph saves the candidate's time on the
-other N − 1 replays, as it does eagerly. (In on mode the candidate is served on almost every replay, so it
-is not gated: two more launches per call would cost more than the rare replays they would idle.)
+other N − 1 replays, as it does eagerly. In on mode a site with both gates has its candidate's work sizes
+gated in the baseline gate's launch (``merged_gate_launches``: no node more): the candidate works on replays
+that serve or check it, and does nothing once the kill switch, a fall-back or the promotion gate's hold has
+the baseline serve.
 :meth:`DeviceState.poll` (called by the streamer's thread) drains the ring into samples.
 
 Eager calls only (a replay runs no Python): oracle sampling — 1 in ``oracle_every`` sampled validate calls
@@ -59,6 +61,7 @@ drains the ring.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +71,14 @@ import triton
 from shadowd.hook.arguments import first_tensor, key_of, meta_error
 from shadowd.hook.device import DeviceState, Slot
 from shadowd.hook.diffstats import empty_stats
-from shadowd.hook.launch import REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_BASE, REC_ORACLE_CAND, launch_stats
+from shadowd.hook.launch import (
+    REC_MAIN,
+    REC_MAIN_ORACLE,
+    REC_ORACLE_BASE,
+    REC_ORACLE_CAND,
+    launch_stats,
+    merged_gate_launches,
+)
 from shadowd.hook.triton_control import control_kernel, select_kernel, stamp_kernel
 
 if TYPE_CHECKING:
@@ -274,18 +284,28 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
                          HAS_META=meta is not None, HAS_FLAG=flag is not None, USE_TIMER=ds.use_timer,
                          GATED=int(gated), PDL=ds.pdl,
                          **ds.pdl_opts)
+    gate_args = None  # the candidate's arguments with its work sizes gated (a site's candidate gate, under a graph)
     if gated:
         assert site.baseline_gate is not None
-        with site.baseline_gate(slot.sstate, args, kwargs):
+        with contextlib.ExitStack() as held:
+            # the candidate is gated too (zero work on replays that neither serve nor check it: the kill switch, a
+            # fall-back, the promotion gate's hold), in the baseline gate's launch: no graph node more
+            with merged_gate_launches():
+                if site.candidate_gate is not None:
+                    gate_args = site.candidate_gate(slot.sstate, args, kwargs)
+                held.enter_context(site.baseline_gate(slot.sstate, args, kwargs))
             out_b = _baseline(site, args, kwargs, p, ungated=False)
     else:
         out_b = _baseline(site, args, kwargs, p)
     stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer, PDL=ds.pdl, **ds.pdl_opts)
     if capturing and code == 1 and site.candidate_gate is not None:  # zero work on replays that do not use it
-        gargs, gkwargs = site.candidate_gate(slot.sstate, args, kwargs)
+        gate_args = site.candidate_gate(slot.sstate, args, kwargs)
+    if gate_args is not None:
+        gargs, gkwargs = gate_args
         # the gate's outputs are already private copies: they are not cloned a second time
         fresh = {id(x) for x in (*gargs, *gkwargs.values())} - {id(x) for x in (*args, *kwargs.values())}
-        cargs, ckwargs, watched, protected = site._protect(gargs, gkwargs, out_b, fresh, batch=True)
+        cargs, ckwargs, watched, protected = site._protect(gargs, gkwargs, None if gated else out_b, fresh,
+                                                           batch=True)
     else:
         cargs, ckwargs, watched, protected = site._protect(args, kwargs, None if gated else out_b, batch=capturing)
     if not gated:  # (a gated baseline's output is not what a replay returns, the select kernel's is)

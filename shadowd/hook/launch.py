@@ -5,13 +5,17 @@
   that the programs meant to share an SM fit it;
 * the ring record's layout: ``NMETA`` words of metadata (word 11: the record's kind, ``REC_*``; word 12: the
   candidate's error flag), then the raw statistics vector of ``shadowd.hook.diffstats``;
-* :func:`gated_copy` — the work-size copies of baseline and candidate gates;
+* :func:`gated_copy` — the work-size copies of baseline and candidate gates (:func:`merged_gate_launches`: both
+  sides' in one launch);
 * :func:`fused_raw_stats` — the raw vector of two device tensors (tests, benches).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,7 +29,7 @@ from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
 __all__ = ["HIST_MODE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC", "REC_MAIN", "REC_MAIN_ORACLE",
            "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND", "SMALL_NUMEL", "SMALL_TILE", "SPEC_NUMEL",
            "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for", "launch_stats",
-           "new_accumulator", "pdl_options", "pdl_supported"]
+           "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported"]
 
 #: record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind, and the candidate's
 #: error flag as the call's statistics kernel read it (``launch_stats(cand_flag=...)``; 0 without one)
@@ -173,21 +177,59 @@ def gated_copy(src: torch.Tensor, sstate: torch.Tensor, word: int = RUN_BASE) ->
 
 
 def gated_copies(srcs: list[torch.Tensor], sstate: torch.Tensor, word: int = RUN_BASE) -> list[torch.Tensor]:
-    """:func:`gated_copy` of every tensor of ``srcs``, two per launch (a gate's ``qo_indptr`` and ``kv_indptr``
-    in one)."""
+    """:func:`gated_copy` of every tensor of ``srcs``, up to four per launch (a gate's ``qo_indptr`` and
+    ``kv_indptr`` in one). Inside :func:`merged_gate_launches` the copies are handed out at once and made when the
+    block ends, together with the other gates' copies asked for in it."""
     if word not in (RUN_BASE, RUN_CAND):
         raise ValueError(f"word: expected RUN_BASE ({RUN_BASE}) or RUN_CAND ({RUN_CAND}), got {word!r}")
     srcs = [s.contiguous() for s in srcs]
     dsts = [torch.empty_like(s) for s in srcs]
-    pdl = bool(srcs) and pdl_supported(srcs[0].device)
-    for i in range(0, len(srcs), 2):
-        pair = srcs[i:i + 2]
-        two = len(pair) == 2
-        s0, d0, s1, d1 = pair[0], dsts[i], pair[-1], dsts[i + 1] if two else dsts[i]
-        block = max(16, triton.next_power_of_2(max(s0.numel(), s1.numel(), 1)))
-        gate_kernel[(1,)](s0, d0, s0.numel(), s1, d1, s1.numel(), sstate, WORD=word, BLOCK=block, TWO=two, PDL=pdl,
-                          num_warps=1, **pdl_options(pdl))
+    jobs = [(s, d, word) for s, d in zip(srcs, dsts, strict=True)]
+    pending: list[tuple[torch.Tensor, list[_GateJob]]] | None = getattr(_MERGED, "pending", None)
+    if pending is not None:
+        pending.append((sstate, jobs))
+    else:
+        _launch_gates([(sstate, jobs)])
     return dsts
+
+
+#: one gated copy: source, destination, the decision word that gates it (RUN_BASE or RUN_CAND)
+_GateJob = tuple[torch.Tensor, torch.Tensor, int]
+_MERGED = threading.local()
+
+
+@contextlib.contextmanager
+def merged_gate_launches() -> Iterator[None]:
+    """Within the block (on this thread), :func:`gated_copies` launches nothing: the copies asked for are made
+    when it ends, up to four per launch — so an on-mode call that gates both its baseline's and its candidate's
+    work sizes adds one graph node, not two. The copies are made on leaving the block whatever it raised (a copy
+    handed out before the error holds its values); a block inside another merges into the outer one."""
+    if getattr(_MERGED, "pending", None) is not None:
+        yield
+        return
+    _MERGED.pending = []
+    try:
+        yield
+    finally:
+        pending, _MERGED.pending = _MERGED.pending, None
+        _launch_gates(pending)
+
+
+def _launch_gates(batches: list[tuple[torch.Tensor, list[_GateJob]]]) -> None:
+    # the copies that read one decision-word tensor go together, four per launch
+    groups: dict[int, tuple[torch.Tensor, list[_GateJob]]] = {}
+    for sstate, jobs in batches:
+        groups.setdefault(id(sstate), (sstate, []))[1].extend(jobs)
+    for sstate, jobs in groups.values():
+        pdl = pdl_supported(sstate.device)
+        for i in range(0, len(jobs), 4):
+            part = jobs[i:i + 4]
+            slots = part + [part[0]] * (4 - len(part))  # (unused slots repeat the first: never touched)
+            block = max(16, triton.next_power_of_2(max(max(s.numel() for s, _, _ in part), 1)))
+            flat = [x for s, d, _ in slots for x in (s, d, s.numel())]
+            words = {f"WORD{j}": w for j, (_, _, w) in enumerate(slots)}
+            gate_kernel[(1,)](*flat, sstate, **words, COUNT=len(part), BLOCK=block, PDL=pdl, num_warps=1,
+                              **pdl_options(pdl))
 
 
 def pdl_options(pdl: bool) -> dict[str, Any]:

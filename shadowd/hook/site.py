@@ -112,11 +112,12 @@ class ShadowSite:
         #: spot checks (``shadowd.hook.device.gated_copy``), so a captured graph's baseline does almost
         #: nothing there (see shadowd.hook.cuda_call)
         self.baseline_gate = baseline_gate
-        #: validate mode under a CUDA graph: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)``
-        #: returns the call's arguments with the candidate's work sizes replaced by new tensors from
-        #: ``gated_copy(..., RUN_CAND)``, zero on replays that do not compare the candidate (unsampled
-        #: calls, kill switch, disabled candidate); those copies are the candidate's own, the other
-        #: arguments are protected as usual
+        #: under a CUDA graph (validate; on mode beside a ``baseline_gate``, both made in one launch):
+        #: ``candidate_gate(sstate, args, kwargs) -> (args, kwargs)`` returns the call's arguments with the
+        #: candidate's work sizes replaced by new tensors from ``gated_copy(..., RUN_CAND)``, zero on replays that
+        #: neither compare nor serve the candidate (unsampled calls, kill switch, disabled or fallen-back
+        #: candidate, the promotion gate's hold); those copies are the candidate's own, the other arguments are
+        #: protected as usual
         self.candidate_gate = candidate_gate
         #: repro bundles on the CUDA path (``shadowd.hook.capture``): ``bundle_args(args, kwargs, max_bytes)``
         #: returns the call's inputs in a self-contained, compact form — private device copies — with the

@@ -11,7 +11,7 @@
   store into its device mirror, launched by the host on a stream of its own whenever the word changes (a
   kill switch, a disabled candidate, a fall-back), so replays see it within microseconds, the serving stream
   never waits for it, and a 64-bit store never shows a half-updated word;
-* :func:`gate_kernel` — a copy of one or two small int tensors that is zeros when the baseline (or the
+* :func:`gate_kernel` — copies of up to four small int tensors, each zeros when its side (the baseline or the
   candidate) is gated off;
 * :func:`stamp_kernel` — a global-timer stamp between the implementations (device time per call);
 * :func:`select_kernel` — the output served in on mode: the candidate's, unless the call's decision or
@@ -149,22 +149,31 @@ def _mirror_kernel(hctrl_ptr, dctrl_ptr):
     tl.store(dctrl_ptr, tl.load(hctrl_ptr, volatile=True))
 
 
-@triton.jit(do_not_specialize=["n0", "n1"])
-def _gate_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, sstate_ptr, WORD: tl.constexpr,
-                 BLOCK: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
-    # dst = src when the side gated by sstate[WORD] must run this call (13: the baseline, 14: the
-    # candidate), else zeros (work sizes of nothing); TWO: a second tensor in the same launch
+@triton.jit
+def _gated(src_ptr, dst_ptr, n, sstate_ptr, offs, WORD: tl.constexpr):
+    # dst = src when the side gated by sstate[WORD] must run this call, else zeros
+    run = tl.load(sstate_ptr + WORD) != 0
+    m = offs < n
+    v = tl.load(src_ptr + offs, mask=m, other=0)
+    tl.store(dst_ptr + offs, tl.where(run, v, 0), mask=m)
+
+
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3"])
+def _gate_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, src2_ptr, dst2_ptr, n2, src3_ptr, dst3_ptr, n3,
+                 sstate_ptr, WORD0: tl.constexpr, WORD1: tl.constexpr, WORD2: tl.constexpr, WORD3: tl.constexpr,
+                 COUNT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # up to four small int tensors in one launch (COUNT of them), tensor i gated by sstate[WORDi] (13: the
+    # baseline, 14: the candidate): an on-mode call's baseline and candidate work sizes in one node
     if PDL:
         pdl_wait()
-    run = tl.load(sstate_ptr + WORD) != 0
     offs = tl.arange(0, BLOCK)
-    m = offs < n0
-    v = tl.load(src0_ptr + offs, mask=m, other=0)
-    tl.store(dst0_ptr + offs, tl.where(run, v, 0), mask=m)
-    if TWO:
-        m1 = offs < n1
-        v1 = tl.load(src1_ptr + offs, mask=m1, other=0)
-        tl.store(dst1_ptr + offs, tl.where(run, v1, 0), mask=m1)
+    _gated(src0_ptr, dst0_ptr, n0, sstate_ptr, offs, WORD0)
+    if COUNT > 1:
+        _gated(src1_ptr, dst1_ptr, n1, sstate_ptr, offs, WORD1)
+    if COUNT > 2:
+        _gated(src2_ptr, dst2_ptr, n2, sstate_ptr, offs, WORD2)
+    if COUNT > 3:
+        _gated(src3_ptr, dst3_ptr, n3, sstate_ptr, offs, WORD3)
 
 
 @triton.jit(do_not_specialize=["idx"])

@@ -13,10 +13,11 @@ clones of the small tensors and watch the large ones (the KV cache):
   fallbacks; the captured baseline then does almost nothing there and the graph runs at the
   candidate's speed (its output on those replays is never read: the select kernel serves the
   candidate).
-* :func:`candidate_gate` — validate mode under a CUDA graph: the candidate's ``qo_indptr`` / ``kv_indptr``
-  replaced by device copies that hold zeros on replays that do not compare it (unsampled calls, the kill
-  switch, a disabled candidate): every request is then empty and the kernel returns at once (no error
-  bit: all-zero index pointers are consistent).
+* :func:`candidate_gate` — under a CUDA graph: the candidate's ``qo_indptr`` / ``kv_indptr`` replaced by device
+  copies that hold zeros on replays that neither compare nor serve it (unsampled validate calls, the kill
+  switch, a disabled or fallen-back candidate, the promotion gate's hold): every request is then empty and the
+  kernel returns at once (no error bit: all-zero index pointers are consistent). In on mode its copies are
+  made in the baseline gate's launch.
 * :func:`candidate` — ``mla_tree_verify.tree_verify`` on CUDA (reads the cache, never writes it;
   its own output tensor). On CPU (tests) the fp32 oracle ``mla_tree_verify.oracle`` stands in.
   ``SHADOWD_CANDIDATE=module:function`` replaces it (same signature as ``tree_verify``). On CUDA it is

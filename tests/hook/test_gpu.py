@@ -452,6 +452,65 @@ def test_gpu_candidate_gate_runs_the_candidate_only_on_replays_that_use_it() -> 
     assert _drain(rt) == [] and int(worked.item()) == 3
 
 
+def test_gpu_on_mode_with_both_gates_idles_the_candidate_while_the_baseline_serves() -> None:
+    """On mode under a graph with a baseline and a candidate gate (as the SGLang site has; both made by one gate
+    launch): the candidate works on every replay that serves or checks it, and sees zero work sizes while the kill
+    switch or a fall-back has the baseline serve."""
+    from shadowd.hook.device import RUN_CAND, gated_copy
+
+    rt, _site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=2)
+    sizes = [torch.tensor([ROWS, 0], dtype=torch.int32, device="cuda")]
+    base_worked = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cand_worked = torch.zeros(1, dtype=torch.int64, device="cuda")
+    n = torch.ones(1, dtype=torch.int64, device="cuda")
+    scale = torch.ones(1, device="cuda")
+
+    def base(a: torch.Tensor, b: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        work = sizes[0][:1] != 0  # read on the device, like SGLang's kernels read qo_indptr
+        base_worked.add_(work.to(torch.int64))
+        return (gpu_base(a, b).float() * work.float()).to(torch.bfloat16)
+
+    def cand(a: torch.Tensor, b: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        cand_worked.add_(n)  # 1 when the gate lets the work size through, else 0
+        return (gpu_cand(a, b).float() * n * scale).to(torch.bfloat16)
+
+    def cgate(sstate: torch.Tensor, args: tuple, kwargs: dict) -> tuple:
+        return (args[0], args[1], gated_copy(args[2], sstate, RUN_CAND)), kwargs
+
+    site = ShadowSite("both", base, cand, runtime=rt, baseline_gate=_sizes_gate(sizes), candidate_gate=cgate)
+    g, out = _capture_args(site, (x, w, n), bucket)
+    _drain(rt)
+    base_worked.zero_()
+    cand_worked.zero_()
+    for _ in range(4):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_cand(x, w)), "on mode serves the candidate"
+    assert (int(cand_worked), int(base_worked)) == (4, 2), "the candidate every replay, the baseline on spot checks"
+    rt.set_override("off")
+    rt.device().settle_control()
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_base(x, w)), "the kill switch: the baseline serves"
+    assert (int(cand_worked), int(base_worked)) == (4, 5), "the candidate idles under the kill switch"
+    rt.set_override(None)
+    rt.device().settle_control()
+    scale.fill_(3.0)  # the candidate goes wrong: the next spot check falls back
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+    worked = int(cand_worked)
+    assert torch.equal(out, gpu_base(x, w)), "fallen back"
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu_base(x, w))
+    assert int(cand_worked) == worked, "the candidate idles once the device has fallen back"
+    _drain(rt)
+    assert rt.fallback
+
+
 def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
     """The kill switch as the streamer applies it: set on another thread, it reaches the captured graph."""
     rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)

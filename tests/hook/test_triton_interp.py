@@ -423,6 +423,52 @@ CAPTURE[0] = True
 o1 = s17(x, w, layer=0, bucket=bk)
 CAPTURE[0] = False
 out["slot_eager"] = {"made": made17, "unchecked": torch.equal(o0, cand(x, w)), "l0": torch.equal(o1, cand(x, w))}
+# on mode under a graph with both gates (as the SGLang site has): one gate launch per replay makes the baseline's and
+# the candidate's work-size copies; the candidate works on the replays that serve or check it, and does nothing while
+# the kill switch or a fall-back has the baseline serve (the ring is read only at the end: no Python learns of the
+# fall-back, as on a real replay)
+import shadowd.hook.launch as launch_mod
+real_gate = launch_mod.gate_kernel
+gate_counts = []
+class CountingGate:
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            gate_counts.append(k["COUNT"])
+            return real_gate[grid](*a, **k)
+        return launch
+launch_mod.gate_kernel = CountingGate()
+scale.fill_(1.0)
+SIZES[0] = torch.tensor([5, 7], dtype=torch.int64)
+seen19, csizes19 = len(seen), []
+def base19(x, w, n): return base_sized(x, w)
+def cand19(x, w, n):
+    csizes19.append(int(n[0]))
+    return cand(x, w)
+rt19 = HookRuntime(HookConfig(mode="on", spot_every=2), sink=lambda s: None)
+ds19 = rt19.device(); ds19.use_timer = False
+s19 = ShadowSite("t19", base19, cand19, runtime=rt19, baseline_gate=gate, candidate_gate=cgate)
+res19, launches19 = [], []
+word19 = int(ds19.hctrl[0])
+for i in range(10):
+    CAPTURE[0] = i > 0
+    if i == 3:  # the kill switch as a replay sees it: the device word says off
+        ds19.hctrl[0] = 0
+        assert ds19.push_control()
+    if i == 5:
+        ds19.hctrl[0] = word19
+        assert ds19.push_control()
+    if i == 6:
+        scale.fill_(3.0)  # the candidate goes wrong: served unchecked at step 7, caught by step 8's spot check
+    before = len(gate_counts)
+    o = s19(x, w, nsz, layer=0, bucket=bk)
+    launches19.append(gate_counts[before:])
+    res19.append("cand" if torch.equal(o, cand(x, w)) else "base" if torch.equal(o, base(x, w)) else "?")
+CAPTURE[0] = False
+launch_mod.gate_kernel = real_gate
+ds19.poll()
+scale.fill_(1.0)
+out["both_gates"] = {"outputs": res19, "base_sizes": seen[seen19:], "cand_sizes": csizes19,
+                     "launches": launches19, "fallback": rt19.fallback}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -506,6 +552,13 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert nw["fallback"] and not nw["disabled"] and nw["records"] == [[0, None], [1, None]], nw
     assert nw["word"] == [0, 1], "the word the checked call raised again stays for the next eager step"
     assert r["slot_eager"] == {"made": True, "unchecked": True, "l0": True}, r["slot_eager"]
+    # on mode with both gates: one launch makes both copies per replay; the candidate idles while the kill switch
+    # (steps 4-5) or the fall-back (from step 9) has the baseline serve, and works on every other replay
+    bg = r["both_gates"]
+    assert bg["launches"] == [[]] + [[2]] * 9, bg
+    assert bg["outputs"] == ["cand", "cand", "cand", "base", "base", "cand", "cand", "base", "base", "base"], bg
+    assert bg["cand_sizes"] == [7, 7, 7, 0, 0, 7, 7, 7, 0, 0], bg
+    assert bg["base_sizes"] == [5, 5, 0, 5, 5, 5, 0, 5, 5, 5] and bg["fallback"], bg
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 
