@@ -352,6 +352,15 @@ def hook_overhead(res: dict, dev: torch.device) -> None:
     go = make_graph(lambda: osite(*args, layer=0, bucket=bucket))
     res["graph_us_per_call"]["on_shadowed"] = replay_time(go) * 1e6
     on.device().poll()
+    if hasattr(on.device(), "push_coverage"):  # (trees before the verdict's shapes have no coverage to time)
+        from shadowd.hook.coverage import Coverage
+
+        # the same graph once a promotion gate opened on a verdict covering the call's shape: its control kernel
+        # then checks the shape against the covered buckets (one more load)
+        on.open_gate("bench", Coverage.from_buckets([[2, 16, 10]]))
+        on.device().settle_control()
+        res["graph_us_per_call"]["on_shadowed_gate_open"] = replay_time(go) * 1e6
+        on.device().poll()
 
 
 def _emit(res: dict, args: argparse.Namespace) -> int:
@@ -406,7 +415,9 @@ def render(r: dict) -> str:
                  f"shadowed validate {g['validate_shadowed']:.2f} µs (overhead "
                  f"{g['validate_shadowed'] - g['baseline+candidate']:.2f} µs), kill switch off "
                  f"{g['validate_graph_kill_switch_off']:.2f} µs, on mode (spot check 1 in 100) "
-                 f"{g['on_shadowed']:.2f} µs (overhead {g['on_shadowed'] - g['baseline+candidate']:.2f} µs)")
+                 f"{g['on_shadowed']:.2f} µs (overhead {g['on_shadowed'] - g['baseline+candidate']:.2f} µs)"
+                 + (f", the same behind an open promotion gate (shapes checked) {g['on_shadowed_gate_open']:.2f} µs"
+                    if "on_shadowed_gate_open" in g else ""))
     return "\n".join(lines) + "\n"
 
 

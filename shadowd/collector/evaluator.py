@@ -106,11 +106,14 @@ class Evaluator:
 
         A stored READY older than the run's last ingest by more than two evaluation intervals (the cadence fell
         behind: a slow or failing pass) is not served as it is: the run is evaluated now. Re-judging a READY can
-        keep it or demote it, never promote anything.
+        keep it or demote it, never promote anything. So is a stored READY without ``covered_shapes`` (stored before
+        reports said which shapes they speak for: a promotion gate needs them).
         """
         prev = self.previous(run_id)
         if prev is None:
             return self.evaluate(run_id, now)
+        if prev.get("verdict") == READY and "covered_shapes" not in prev:
+            return self.evaluate(run_id, now)  # stored by a collector that did not say which shapes it covers
         hard = gave_up or (run is not None and (run.get("n_cand_nonfinite") or run.get("n_errors")))
         if hard and prev.get("verdict") != NOT_READY:
             return self.evaluate(run_id, now)

@@ -243,7 +243,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         return _baseline(site, args, kwargs, p)
     host_decides, do_stats, use_cand = 1, 1, 0
     if not capturing:
-        if code == 2 and rt.config.covered(b.draft_tokens, b.prefix_len):
+        if code == 2 and rt.covered(b.batch_size, b.draft_tokens, b.prefix_len):
             # (an output key not seen on a compared call yet — the first call — is checked)
             t0 = first_tensor(args)
             want = site.out_metas.get(key_of(t0))
@@ -278,7 +278,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
     cfg = rt.config
     flag = site.flag_tensor
     control_kernel[(1,)](ds.dctrl, ds.word, ds.dstate, slot.sstate, meta if meta is not None else slot.sstate,
-                         flag if flag is not None else ds.dstate, int(advance),
+                         flag if flag is not None else ds.dstate, ds.cov, int(advance),
                          min(cfg.max_draft_tokens, 2**62), min(cfg.max_prefix_len, 2**62), host_decides, do_stats,
                          use_cand, rt.step, b.batch_size, b.draft_tokens, b.prefix_len,
                          HAS_META=meta is not None, HAS_FLAG=flag is not None, USE_TIMER=ds.use_timer,

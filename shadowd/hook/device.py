@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shadowd.hook.capture import Captures, breach
+from shadowd.hook.coverage import WORDS as COVERAGE_WORDS
+from shadowd.hook.coverage import Coverage
 from shadowd.hook.diffstats import finalize
 from shadowd.hook.launch import (
     NMETA,
@@ -36,7 +38,7 @@ from shadowd.hook.launch import (
     pdl_options,
     pdl_supported,
 )
-from shadowd.hook.triton_control import mirror_kernel, pack_host_word
+from shadowd.hook.triton_control import mirror_kernel, pack_host_word, words_kernel
 
 if TYPE_CHECKING:
     from shadowd.hook.runtime import HookRuntime
@@ -85,6 +87,12 @@ class DeviceState:
         self._ctrl_lock = threading.Lock()
         self._ctrl_stream = torch.cuda.Stream(self.device)
         self.dstate = torch.zeros(8, dtype=torch.int64, device=self.device)
+        #: the shape buckets on mode may serve the candidate on (``shadowd.hook.coverage``'s bitmap, read by the control
+        #: kernel once the control word's ``shapes`` bit says a promotion gate opened on a verdict)
+        self.cov = torch.full((COVERAGE_WORDS,), -1, dtype=torch.int64, device=self.device)
+        self._cov_host: torch.Tensor | None = None  # the pinned source of the latest push (alive until it has run)
+        if rt.coverage is not None:  # (made on the serving thread's first eager call: a plain copy)
+            self.cov.copy_(torch.tensor(rt.coverage.bitmap(), dtype=torch.int64))
         size = rt.config.ring_size
         self.ring = torch.zeros(size, REC, dtype=torch.float64).pin_memory()
         self.ring_seq = torch.zeros(size, dtype=torch.int64).pin_memory()
@@ -108,7 +116,7 @@ class DeviceState:
         """Write the host state into the control word (layout: ``triton_control.HOST_WORD``) and push it to the
         device mirror that captured graphs read (:meth:`push_control`)."""
         word = pack_host_word(rt.mode_code, rt.config.sampling.every_n(), rt.config.spot_every, rt.disabled,
-                              rt.fallback)
+                              rt.fallback, rt.coverage is not None)
         with self._ctrl_lock:
             self._h[0] = word  # one aligned 8-byte store: the mirror kernel never reads half an update
             self.word = word
@@ -152,6 +160,16 @@ class DeviceState:
             if self._ctrl_version == version:  # (a later write has its own push coming)
                 self.control_dirty = False
         return True
+
+    def push_coverage(self, cov: Coverage) -> None:
+        """Copy ``cov``'s bitmap into the device's (:attr:`cov`) on the control stream, before the control word
+        that opens the gate (pushed after it on the same stream): no replay serves the candidate before its shapes
+        are in place. Called by the promotion gate's thread (never one that captures); raises if the copy cannot
+        be launched (the gate then stays held)."""
+        host = torch.tensor(cov.bitmap(), dtype=torch.int64).pin_memory()
+        with torch.cuda.stream(self._ctrl_stream):
+            words_kernel[(1,)](host, self.cov, COVERAGE_WORDS, BLOCK=COVERAGE_WORDS, num_warps=4)
+        self._cov_host = host
 
     @staticmethod
     def _capturing() -> bool:

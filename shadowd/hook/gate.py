@@ -15,6 +15,10 @@ validate. With ``SHADOWD_GATE_RUN=<id>`` the hook enforces the gate itself:
   registration (:data:`IDENTITY`). A verdict is evidence for the build, the Triton kernel and the shapes it
   saw, nothing else — and only an answer about run ``<id>`` counts (HTTP 200, that run id, this candidate's
   fingerprint: :func:`gate_decision`);
+* the verdict speaks for the shapes its run saw, no others: on opening, the hook takes the report's
+  ``covered_shapes`` (:mod:`shadowd.hook.coverage`), and on mode serves the candidate on those shape buckets only —
+  a call of any other shape (a first 200k-token prefix, a tree or a batch larger than any compared) is served by
+  the baseline and shadowed as in validate; a READY report without them keeps the gate held;
 * it stays open for the life of the process (the on-mode run's spot checks and the kill switch watch the
   candidate from then on); the collector's kill switch still lowers the mode whatever the gate says.
 
@@ -34,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shadowd.client import BatchRejected, CollectorError
+from shadowd.hook.coverage import Coverage
 
 __all__ = ["GATE_POLL_S", "IDENTITY", "PromotionGate", "gate_decision", "mismatches"]
 
@@ -149,15 +154,21 @@ class PromotionGate:
             return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})",
                                 "unreachable")
         opened, why = gate_decision(self.gate_id, run, report, self.own, status)
-        return self._settle(opened, why)
+        coverage = None
+        if opened:
+            try:  # the verdict speaks for the shapes it saw: on mode serves the candidate on those only
+                coverage = Coverage.from_report(report)
+            except ValueError as e:
+                return self._settle(None, f"run {self.gate_id} is READY, but {e}")
+        return self._settle(opened, why, coverage=coverage)
 
-    def _settle(self, opened: bool | None, why: str, state: str | None = None) -> bool | None:
+    def _settle(self, opened: bool | None, why: str, state: str | None = None, coverage: Any = None) -> bool | None:
         """Apply a decision. One log line per *state* of a held gate (``state``; by default ``why`` up to its second
         colon: the verdict and its first failing criterion — not the numbers after it, which move with every
         evaluation of a run still collecting evidence); ``rt.gate_reason`` is always the latest ``why``."""
         rt = self.rt
         if opened:
-            rt.open_gate(why)
+            rt.open_gate(why, coverage)
             self.done.set()
             return True
         state = state if state is not None else ":".join(why.split(":")[:2])

@@ -84,6 +84,9 @@ class HookRuntime:
         self.streamer: Any = None
         self._device: Any = None  # shadowd.hook.device.DeviceState, created on the first CUDA call
         self.gate: Any = None  # shadowd.hook.gate.PromotionGate, watching once the run is registered
+        #: on mode: the shapes the promotion gate's verdict covered (``shadowd.hook.coverage.Coverage``), set when the
+        #: gate opens; None: no verdict limits the shapes (no gate), only ``max_draft_tokens`` / ``max_prefix_len``
+        self.coverage: Any = None
         # the mode is changed by more than one thread (the streamer's: the kill switch; the gate's: open_gate; the
         # serving thread's: disable / fall_back): each change computes the mode and writes it, and the control word,
         # whole, so a kill switch applied while the gate opens is never overwritten by the opening (the serving path
@@ -119,12 +122,19 @@ class HookRuntime:
             self.override = override
             self._apply_mode()
 
-    def open_gate(self, why: str) -> None:
-        """The promotion gate opened (:mod:`shadowd.hook.gate`): on mode serves the candidate from the next call."""
+    def open_gate(self, why: str, coverage: Any = None) -> None:
+        """The promotion gate opened (:mod:`shadowd.hook.gate`): on mode serves the candidate from the next call, on
+        the shapes ``coverage`` (:class:`shadowd.hook.coverage.Coverage`, the verdict's) holds — in place, on the
+        device too, before the mode changes (raises, the gate still held, when they cannot be copied there)."""
         with self._mode_lock:
+            if coverage is not None:
+                if self._device is not None:
+                    self._device.push_coverage(coverage)
+                self.coverage = coverage
             if self.gate_held:  # (capture_code: the mode the kill switch lets it reach)
                 lowered = self.capture_code < MODE_CODE[self.config.mode]
-                log.warning("shadowd: promotion gate open: %s%s", why, "" if not lowered else
+                shapes = "" if coverage is None else f"; the candidate is served on its {coverage.describe()}"
+                log.warning("shadowd: promotion gate open: %s%s%s", why, shapes, "" if not lowered else
                             f" (the kill switch holds mode {MODES[self.capture_code]}: the candidate is served once "
                             "it is cleared)")
             self.gate_held = False
@@ -205,6 +215,14 @@ class HookRuntime:
                 if v}
 
     # ---- per-step decisions --------------------------------------------------------------------
+    def covered(self, batch_size: int, draft_tokens: int, prefix_len: int) -> bool:
+        """Whether on mode may serve the candidate on a call of this shape: within the static limits
+        (``max_draft_tokens`` / ``max_prefix_len``) and, once a promotion gate opened, in a shape bucket its
+        verdict covered."""
+        cov = self.coverage
+        return self.config.covered(draft_tokens, prefix_len) and (
+            cov is None or cov.covers(batch_size, draft_tokens, prefix_len))
+
     def sampled(self, step: int) -> bool:
         """Whether validate mode shadows this step (whole steps: every layer of a sampled step)."""
         s = self.config.sampling

@@ -12,8 +12,9 @@
   compared; a hard failure (candidate-only non-finite, max-abs or rel-L2 beyond the hard
   limits, an exception, a wrong shape/dtype) returns the baseline's result for that call and
   makes the process fall back to the baseline for good (reported as ``fallback``). Shapes
-  outside the covered buckets (``max_draft_tokens`` / ``max_prefix_len``) are served by the
-  baseline (and shadowed as in validate, to gather coverage).
+  outside the covered buckets (those the promotion gate's verdict covered, ``shadowd.hook.coverage``, and the
+  static ``max_draft_tokens`` / ``max_prefix_len``) are served by the baseline (and shadowed as in validate, to
+  gather coverage).
 
 How the candidate is kept from modifying inputs: tensor arguments up to ``clone_max_bytes``
 (q, indices, masks; inside list / tuple / dict arguments too) are passed to the candidate as clones (under
@@ -198,7 +199,7 @@ class ShadowSite:
             return device_call(self, args, kwargs, layer, b, advance)
         step = rt.step
         blocked = rt.disabled or rt.fallback
-        if code == 2 and not blocked and rt.config.covered(b.draft_tokens, b.prefix_len):
+        if code == 2 and not blocked and rt.covered(b.batch_size, b.draft_tokens, b.prefix_len):
             t0 = first_tensor(args)
             want = self.out_metas.get(key_of(t0))
             if want is not None and not rt.spot_checked(step):

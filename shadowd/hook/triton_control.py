@@ -7,6 +7,8 @@
   site's decision words. Eagerly the host passes the word as an argument; under a graph the kernel reads the
   word's device mirror, so a call never waits for host memory (a PCIe round trip, ~5 µs per call on the
   H200: bench/results/sglang-2026-11-30.md);
+* :func:`words_kernel` — the covered shapes of the promotion gate's verdict into device memory, where the control
+  kernel checks every call's shape bucket against them (``shadowd.hook.coverage``);
 * :func:`mirror_kernel` — the host's change reaching graphs: one 8-byte load of the pinned host word and one
   store into its device mirror, launched by the host on a stream of its own whenever the word changes (a
   kill switch, a disabled candidate, a fall-back), so replays see it within microseconds, the serving stream
@@ -28,13 +30,15 @@ import triton
 import triton.language as tl
 
 __all__ = ["HOST_WORD", "control_kernel", "gate_kernel", "mirror_kernel", "pack_host_word", "pdl_wait",
-           "select_kernel", "stamp_kernel"]
+           "select_kernel", "stamp_kernel", "words_kernel"]
 
 #: the host control word: bits 0-1 mode (0 off, 1 validate, 2 on), bit 2 disabled, bit 3 fallback, bits 4-33
-#: validate sampling 1 in N, bits 34-62 on-mode spot check 1 in N (N clamped to the field: 2^30 − 1 and 2^29 − 1
-#: steps, i.e. never in practice)
-HOST_WORD = {"mode": (0, 2), "disabled": (2, 1), "fallback": (3, 1), "sample_n": (4, 30), "spot_n": (34, 29)}
-_SAMPLE_MAX, _SPOT_MAX = 2**30 - 1, 2**29 - 1
+#: validate sampling 1 in N, bits 34-61 on-mode spot check 1 in N (N clamped to the field: 2^30 − 1 and 2^28 − 1
+#: steps, i.e. never in practice), bit 62 shapes: a promotion gate opened on a verdict, whose covered shape buckets
+#: are in the device bitmap the control kernel then checks (one more load per call, so only then)
+HOST_WORD = {"mode": (0, 2), "disabled": (2, 1), "fallback": (3, 1), "sample_n": (4, 30), "spot_n": (34, 28),
+             "shapes": (62, 1)}
+_SAMPLE_MAX, _SPOT_MAX = 2**30 - 1, 2**28 - 1
 # kernels may only read constexpr globals
 _SAMPLE_MAX_C, _SPOT_MAX_C = tl.constexpr(_SAMPLE_MAX), tl.constexpr(_SPOT_MAX)
 
@@ -48,19 +52,21 @@ def pdl_wait():
                               "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def pack_host_word(mode: int, sample_n: int, spot_n: int, disabled: bool, fallback: bool) -> int:
+def pack_host_word(mode: int, sample_n: int, spot_n: int, disabled: bool, fallback: bool,
+                   shapes: bool = False) -> int:
     """The host control word (:data:`HOST_WORD`) of these settings."""
     if mode not in (0, 1, 2):
         raise ValueError(f"mode: expected 0, 1 or 2, got {mode!r}")
     sample = min(max(int(sample_n), 1), _SAMPLE_MAX)
     spot = min(max(int(spot_n), 1), _SPOT_MAX)
-    return mode | int(bool(disabled)) << 2 | int(bool(fallback)) << 3 | sample << 4 | spot << 34
+    return (mode | int(bool(disabled)) << 2 | int(bool(fallback)) << 3 | sample << 4 | spot << 34
+            | int(bool(shapes)) << 62)
 
 
 @triton.jit(do_not_specialize=["host_word", "first_layer", "max_t", "max_l", "host_decides", "host_do_stats",
                                "host_use_cand", "host_step", "bs", "t", "plen"])
-def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag_ptr, first_layer, max_t, max_l,
-                    host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
+def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag_ptr, cov_ptr, first_layer, max_t,
+                    max_l, host_decides, host_do_stats, host_use_cand, host_step, bs, t, plen, HAS_META: tl.constexpr,
                     HAS_FLAG: tl.constexpr, USE_TIMER: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl_wait()
@@ -93,6 +99,8 @@ def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag
     tl.store(sstate_ptr + 10, t_v)
     tl.store(sstate_ptr + 11, l_v)
     covered = (t_v <= max_t) & (l_v <= max_l)
+    if ((w >> 62) & 1) != 0:  # a promotion gate opened on a verdict: its covered shape buckets only
+        covered = covered & _verdict_covers(cov_ptr, bs_v, t_v, l_v)
     ok = (~disabled) & (~fallback)
     use_cand = (mode == 2) & ok & covered
     sampled = (step % sample_n) == 0
@@ -141,6 +149,32 @@ def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag
     tl.store(sstate_ptr + 5, call)
     if USE_TIMER:
         tl.store(sstate_ptr + 6, tl.extra.cuda.globaltimer().to(tl.int64))
+
+
+@triton.jit
+def _bit_length(v):
+    # bit_length of an int64 0 <= v < 2^53 in scalar arithmetic: the exponent of its exact float64 (0 for 0)
+    e = (v.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1022
+    return tl.where(v > 0, e, 0)
+
+
+@triton.jit
+def _verdict_covers(cov_ptr, bs, t, plen):
+    # whether the call's shape bucket is one the promotion gate's verdict covered (shadowd.hook.coverage: word
+    # batch index * 32 + tree index, bit prefix index; all ones without a gate). The indices are the collector's
+    # buckets: ceil(log2) of the batch and tree sizes (the bit length of size - 1), the prefix length's bit length
+    b_i = tl.minimum(_bit_length(tl.maximum(bs, 1) - 1), 31)
+    t_i = tl.minimum(_bit_length(tl.maximum(t, 1) - 1), 31)
+    p_i = tl.minimum(_bit_length(tl.minimum(tl.maximum(plen, 0), 2**52)), 63)
+    word = tl.load(cov_ptr + b_i * 32 + t_i)
+    return ((word >> p_i) & 1) != 0
+
+
+@triton.jit
+def _words_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    # n int64 words from src (pinned host memory) to dst: the covered shapes reaching the device
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
 
 
 @triton.jit
@@ -216,3 +250,4 @@ mirror_kernel = _mirror_kernel
 gate_kernel = _gate_kernel
 stamp_kernel = _stamp_kernel
 select_kernel = _select_kernel
+words_kernel = _words_kernel

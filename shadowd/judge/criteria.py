@@ -24,6 +24,7 @@ __all__ = [
     "TOL_STATS",
     "baseline_events",
     "coverage",
+    "covered_shapes",
     "exceedance",
     "fold_layers",
     "hard_failures",
@@ -292,6 +293,35 @@ def _seconds(value: float, bound: float) -> str:
     return f"{math.floor(value * 10) / 10:.1f}" if value < bound and float(text) >= bound else text
 
 
+#: a shape bucket's key in the rollup cells
+_BUCKET_KEY = ("bs_bucket", "t_bucket", "prefix_bucket", "heads")
+
+
+def _declared_layers(r: RunRollups, per_layer: dict[int, Any]) -> list[int]:
+    # every declared layer and every layer seen
+    return sorted(set(range(int(_f(r.run, "num_layers")))) | set(per_layer))
+
+
+def _bucket_floors(r: RunRollups, layers: list[int]) -> dict[tuple[int, ...], float]:
+    # per shape bucket seen (compared calls), its fewest compared calls in any of ``layers`` (one that never ran in
+    # it counts 0)
+    by_bucket: dict[tuple[int, ...], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for c in r.cells:
+        if _f(c, "n") > 0:
+            by_bucket[tuple(int(c[k]) for k in _BUCKET_KEY)][int(c["layer"])] += _f(c, "n")
+    return {b: min(by_layer.get(lay, 0.0) for lay in layers) for b, by_layer in by_bucket.items()}
+
+
+def covered_shapes(r: RunRollups, p: Policy) -> list[list[int]]:
+    """The shapes a verdict speaks for: ``[batch bucket, tree bucket, prefix bucket]`` of every shape bucket with at
+    least ``min_cell_samples`` compared calls in every declared layer (what :func:`coverage` requires of every bucket
+    seen), sorted; buckets that differ only in heads count once. On mode serves the candidate on these shapes
+    only, once a promotion gate opened on this verdict (``shadowd.hook.coverage``)."""
+    floors = _bucket_floors(r, _declared_layers(r, fold_layers(r.cells)))
+    need = max(p.min_cell_samples, 1)
+    return [list(k) for k in sorted({(bs, t, pb) for (bs, t, pb, _h), n in floors.items() if n >= need})]
+
+
 def coverage(r: RunRollups, p: Policy) -> Criterion:
     """Every declared layer and every shape bucket seen has at least ``min_cell_samples`` samples, and so has
     every TP rank of the run in every layer (:func:`shadowd.judge.ranks.rank_gaps`).
@@ -301,14 +331,10 @@ def coverage(r: RunRollups, p: Policy) -> Criterion:
     """
     need = p.min_cell_samples
     per_layer = fold_layers(r.cells)
-    num_layers = int(_f(r.run, "num_layers"))
-    layers = sorted(set(range(num_layers)) | set(per_layer))
+    layers = _declared_layers(r, per_layer)
     short_layers = [lay for lay in layers if per_layer.get(lay, {}).get("n", 0.0) < need]
-    by_bucket: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for c in r.cells:
-        if _f(c, "n") > 0:
-            by_bucket[bucket_label(c)][int(c["layer"])] += _f(c, "n")
-    per_bucket = {b: min(by_layer.get(lay, 0.0) for lay in layers) for b, by_layer in by_bucket.items()}
+    per_bucket = {bucket_label(dict(zip(_BUCKET_KEY, key, strict=True))): n
+                  for key, n in _bucket_floors(r, layers).items()}
     short_buckets = sorted(b for b, n in per_bucket.items() if n < need)
     empty = [lay for lay in short_layers if per_layer.get(lay, {}).get("n", 0.0) == 0]
     least_layer = min((per_layer.get(lay, {}).get("n", 0.0) for lay in layers), default=0.0)

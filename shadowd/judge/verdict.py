@@ -64,4 +64,7 @@ def judge(r: RunRollups, policy: Policy) -> dict[str, Any]:
         "failing_buckets": sorted({b for x in failing for b in x.buckets}),
         "criteria": [x.to_dict() for x in crits],
         "hysteresis": state,
+        # [batch bucket, tree bucket, prefix bucket] of the shapes this verdict speaks for (a promotion gate that
+        # opens on it has on mode serve the candidate on these only)
+        "covered_shapes": c.covered_shapes(r, policy),
     })

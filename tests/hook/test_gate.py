@@ -14,7 +14,7 @@ import torch
 from shadowd.client import CollectorClient
 from shadowd.hook.config import HookConfig
 from shadowd.hook.gate import PromotionGate, gate_decision, mismatches
-from shadowd.hook.site import ShadowSite
+from shadowd.hook.site import Bucket, ShadowSite
 from tests.hook.conftest import RUN, Collector, base_fn, cand_fn, inputs, make_runtime, run_body
 
 GATE = 7
@@ -29,6 +29,8 @@ class FakeCollector:
         self.run = dict(RUN, id=GATE, run_key="validate-run") if run is None else run
         self.down = False
         self.asked: list[str] = []
+        #: the readiness body's covered_shapes (None: left out); the toy calls' shape, Bucket() — [1, 1, 0] — by default
+        self.shapes: list[list[int]] | None = [[1, 1, 0]]
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.asked.append(request.url.path)
@@ -40,6 +42,8 @@ class FakeCollector:
             body = {"run_id": GATE, "verdict": self.verdict,
                     "reasons": [] if self.verdict == "READY" else ["exceedance 3 %"],
                     "candidate_fingerprint": self.run["candidate"]["fingerprint"]}
+            if self.shapes is not None:
+                body["covered_shapes"] = self.shapes
             return httpx.Response(200 if self.verdict == "READY" else 503, json=body)
         return httpx.Response(404, json={"detail": f"run {request.url.path} not found"})
 
@@ -125,6 +129,48 @@ def test_the_candidate_is_served_only_once_the_gate_run_is_ready() -> None:
     assert gate.check() is True and gate.done.is_set()
     outs = [site(x, w, layer=0) for _ in range(3)]
     assert all(torch.equal(o, cand_fn(x, w)) for o in outs), "open: the candidate is served"
+
+
+def test_on_mode_serves_the_candidate_only_on_the_shapes_the_verdict_covered(caplog: pytest.LogCaptureFixture) -> None:
+    """The gate opens on a verdict over trees of up to 16 nodes and prefixes of 4096-8191 tokens, batches of one: a
+    call of that shape gets the candidate; a first 200k-token prefix, a 17-node tree or a batch of two gets the
+    baseline (and is compared, as in validate, to gather evidence for its bucket)."""
+    rt, sink = gated_runtime()
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    fake = FakeCollector("READY")
+    fake.shapes = [[1, 16, 13]]
+    with caplog.at_level(logging.WARNING, logger="shadowd.hook"):
+        assert PromotionGate(rt, client_for(fake), GATE, OWN).check() is True
+    assert "the candidate is served on its 1 shape buckets (trees up to 16 nodes, prefixes below 8192 tokens)" in (
+        caplog.text)
+    served = {}
+    for name, bucket in {"seen": Bucket(batch_size=1, draft_tokens=16, prefix_len=5000),
+                         "long prefix": Bucket(batch_size=1, draft_tokens=16, prefix_len=200_000),
+                         "larger tree": Bucket(batch_size=1, draft_tokens=17, prefix_len=5000),
+                         "larger batch": Bucket(batch_size=2, draft_tokens=16, prefix_len=5000)}.items():
+        before = len(sink)
+        out = site(x, w, layer=0, bucket=bucket)
+        served[name] = ("cand" if torch.equal(out, cand_fn(x, w)) else "base" if torch.equal(out, base_fn(x, w))
+                        else "?", [s["mode"] for s in sink[before:]])
+    # (the first call is checked: the site has not seen its output yet; the others are compared as validate calls)
+    assert served == {"seen": ("cand", ["on"]), "long prefix": ("base", ["validate"]),
+                      "larger tree": ("base", ["validate"]), "larger batch": ("base", ["validate"])}, served
+
+
+def test_a_ready_verdict_that_names_no_shapes_keeps_the_gate_held() -> None:
+    """A READY answer without ``covered_shapes`` (a collector older than the hook) says nothing about which shapes
+    the candidate was judged on: the gate holds (asked again later), the baseline served."""
+    rt, _ = gated_runtime()
+    fake = FakeCollector("READY")
+    fake.shapes = None
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN)
+    assert gate.check() is None and not gate.done.is_set() and rt.mode == "validate"
+    assert "run 7 is READY, but covered_shapes: the verdict does not say which shapes it covers" in str(
+        rt.gate_reason)
+    fake.shapes = [[1, 1, 0], [2, 1, 0]]
+    assert gate.check() is True and rt.mode == "on"
+    assert rt.coverage is not None and rt.coverage.shapes == {(0, 0, 0), (1, 0, 0)}
 
 
 def test_a_gate_run_of_another_build_holds_for_good(caplog: pytest.LogCaptureFixture) -> None:
@@ -263,7 +309,7 @@ class LyingCollector(FakeCollector):
         if request.url.path == "/readiness":
             self.asked.append(request.url.path)
             body = {"run_id": GATE, "run_key": "validate-run", "verdict": "READY", "reasons": [],
-                    "candidate_fingerprint": self.run["candidate"]["fingerprint"]}
+                    "candidate_fingerprint": self.run["candidate"]["fingerprint"], "covered_shapes": [[1, 1, 0]]}
             return httpx.Response(self.status, json=self.mend(body))
         return super().__call__(request)
 

@@ -511,6 +511,29 @@ def test_gpu_on_mode_with_both_gates_idles_the_candidate_while_the_baseline_serv
     assert rt.fallback
 
 
+def test_gpu_on_mode_serves_the_candidate_only_on_the_shapes_the_verdict_covered() -> None:
+    """A promotion gate that opens on a verdict over [batch 2, tree 16, prefix bucket 10] (512-1023 tokens): under a
+    graph the control kernel checks every replay's shape (read from device memory) against the covered buckets the
+    gate copied to the device; other shapes are served by the baseline."""
+    from shadowd.hook.coverage import Coverage
+
+    rt, site, x, w, _valid, meta, bucket = _graph_site("on", spot_every=1000)
+    meta.copy_(torch.tensor([2, 16, 1000], device="cuda"))
+    g, out = _capture(site, x, w, bucket)
+    _drain(rt)
+    rt.open_gate("test", Coverage.from_buckets([[2, 16, 10]]))
+    rt.device().settle_control()
+    served = []
+    for bs, t, plen in ((2, 16, 1000), (2, 16, 1024), (2, 9, 512), (2, 8, 1000), (3, 16, 1000), (1, 16, 600)):
+        meta.copy_(torch.tensor([bs, t, plen], device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        served.append("cand" if torch.equal(out, gpu_cand(x, w)) else "base" if torch.equal(out, gpu_base(x, w))
+                      else "?")
+    assert served == ["cand", "base", "cand", "base", "base", "base"], served
+    assert not rt.fallback
+
+
 def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:
     """The kill switch as the streamer applies it: set on another thread, it reaches the captured graph."""
     rt, site, x, w, _valid, _meta, bucket = _graph_site("on", spot_every=1000)

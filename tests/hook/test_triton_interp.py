@@ -469,6 +469,25 @@ ds19.poll()
 scale.fill_(1.0)
 out["both_gates"] = {"outputs": res19, "base_sizes": seen[seen19:], "cand_sizes": csizes19,
                      "launches": launches19, "fallback": rt19.fallback}
+# on mode on the shapes a promotion gate's verdict covered (here [batch 2, tree 16, prefix bucket 9]: 256-511 tokens):
+# the control kernel checks each replay's shape, read from device memory, against the bitmap the gate pushed
+from shadowd.hook.coverage import Coverage
+rt20 = HookRuntime(HookConfig(mode="on", spot_every=1000), sink=lambda s: None)
+ds20 = rt20.device(); ds20.use_timer = False
+s20 = ShadowSite("t20", base, cand, runtime=rt20)
+s20(x, w, layer=0, bucket=bk)  # eager and checked (a first output)
+rt20.open_gate("test", Coverage.from_buckets([[2, 16, 9]]))
+res20 = []
+CAPTURE[0] = True
+for plen in (300, 600, 511, 256, 255):
+    meta[2] = plen
+    res20.append("cand" if torch.equal(s20(x, w, layer=0, bucket=bk), cand(x, w)) else "base")
+meta[2] = 300
+meta[0] = 3  # a batch of three: bucket 4, not covered
+res20.append("cand" if torch.equal(s20(x, w, layer=0, bucket=bk), cand(x, w)) else "base")
+meta[0] = 2
+CAPTURE[0] = False
+out["coverage"] = {"outputs": res20, "bitmap_word": int(ds20.cov[1 * 32 + 4]), "fallback": rt20.fallback}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -559,6 +578,11 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert bg["outputs"] == ["cand", "cand", "cand", "base", "base", "cand", "cand", "base", "base", "base"], bg
     assert bg["cand_sizes"] == [7, 7, 7, 0, 0, 7, 7, 7, 0, 0], bg
     assert bg["base_sizes"] == [5, 5, 0, 5, 5, 5, 0, 5, 5, 5] and bg["fallback"], bg
+    # on mode serves the candidate only on the verdict's shapes: prefixes 256-511 with trees of 9-16 nodes and
+    # batches of two; 600 tokens (bucket 10), 255 (bucket 8) and a batch of three are served by the baseline
+    cv = r["coverage"]
+    assert cv["outputs"] == ["cand", "base", "cand", "cand", "base", "base"] and not cv["fallback"], cv
+    assert cv["bitmap_word"] == 1 << 9, cv
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 

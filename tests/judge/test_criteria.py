@@ -245,6 +245,20 @@ def test_short_bucket_is_named() -> None:
     assert cov["status"] == "insufficient" and cov["buckets"] == ["bs64-t16-p17-h8"], cov
 
 
+def test_the_report_names_the_shapes_it_speaks_for() -> None:
+    """``covered_shapes``: [batch, tree, prefix] bucket of every bucket with min_cell_samples in every layer — what
+    an opening promotion gate lets on mode serve the candidate on — once per shape whatever the heads."""
+    cells = [cell(0, 1000), cell(1, 1000), cell(0, 10, bucket=(64, 16, 17, 8)), cell(1, 10, bucket=(64, 16, 17, 8)),
+             cell(0, 12, bucket=(64, 16, 17, 16)), cell(1, 12, bucket=(64, 16, 17, 16))]
+    rep = judge(rollups(cells=cells), SMALL)
+    assert rep["verdict"] == READY and rep["covered_shapes"] == [[4, 8, 13], [64, 16, 17]]
+    short = [*cells, cell(0, 9, bucket=(1, 256, 18, 8)), cell(1, 9, bucket=(1, 256, 18, 8)),
+             cell(0, 500, bucket=(2, 2, 3, 8))]  # below min_cell_samples; one layer alone
+    rep = judge(rollups(cells=short), SMALL)
+    assert rep["verdict"] == INSUFFICIENT_DATA and rep["covered_shapes"] == [[4, 8, 13], [64, 16, 17]]
+    assert judge(rollups(cells=[]), SMALL)["covered_shapes"] == []
+
+
 def test_every_tp_rank_needs_compared_samples_in_every_layer() -> None:
     full = [rank_row(k, lay, 500) for k in (0, 1) for lay in (0, 1)]
     rep = judge(rollups(tp_size=4, ranks=full), SMALL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from sqlalchemy import select, update
 
+from shadowd.collector import tables
 from shadowd.collector.app import create_app
 from shadowd.collector.evaluator import Evaluator
 from shadowd.collector.settings import CollectorSettings
@@ -243,6 +246,33 @@ def test_a_stored_ready_older_than_the_runs_ingest_is_judged_again(env: Env) -> 
     r = env.client.get("/readiness", params={"run_id": rid})
     assert r.status_code == 503 and r.json()["verdict"] == "NOT_READY", r.json()["reasons"]
     assert r.json()["evaluated_at"] > t + 7000, "judged now, not the stored evaluation"
+
+
+def test_a_stored_ready_that_names_no_shapes_is_judged_again(env: Env) -> None:
+    """A READY stored before reports said which shapes they speak for (``covered_shapes``, what a promotion gate
+    needs) is judged again when asked for, rather than served without them — once; a READY that has them is
+    served as stored."""
+    rid = env.run()
+    t = time.time() - 3000
+    env.post(rid, 47_000, 0, t0=t - 4700)
+    for i in range(4):
+        if i:
+            env.post(rid, 600, 47_000 + 600 * (i - 1), dt=1.0, t0=t + 600 * (i - 1))
+        rep = env.evaluator.evaluate(rid, now=t + 600 * i)
+    assert rep["verdict"] == "READY" and rep["covered_shapes"], rep["covered_shapes"]
+    shapes = rep["covered_shapes"]
+    assert all(len(x) == 3 and x[0] & (x[0] - 1) == 0 and x[1] & (x[1] - 1) == 0 for x in shapes), shapes
+    engine = env.app.state.shadowd.engine
+    ev = tables.evaluations
+    with engine.begin() as conn:
+        row = conn.execute(select(ev.c.id, ev.c.report).where(ev.c.run_id == rid).order_by(ev.c.id.desc())).first()
+        old = {k: v for k, v in json.loads(row.report).items() if k != "covered_shapes"}
+        conn.execute(update(ev).where(ev.c.id == row.id).values(report=json.dumps(old)))
+    body = env.client.get("/readiness", params={"run_id": rid}).json()
+    assert body["verdict"] == "READY" and body["covered_shapes"] == shapes
+    assert body["evaluation_id"] != row.id, "judged again, not the stored report"
+    again = env.client.get("/readiness", params={"run_id": rid}).json()
+    assert again["evaluation_id"] == body["evaluation_id"], "then served as stored"
 
 
 def test_the_cadence_does_not_store_the_same_evaluation_again_for_an_idle_run(env: Env) -> None:
