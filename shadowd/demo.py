@@ -34,7 +34,7 @@ from shadowd.hook.runtime import HookRuntime, set_runtime
 from shadowd.hook.simulate import FAULTS, baseline_attention, candidate_attention, faulty, make_case, oracle_attention
 from shadowd.hook.site import Bucket, ShadowSite
 from shadowd.hook.streamer import Streamer
-from shadowd.readiness_cli import evidence_lines, timing_line
+from shadowd.readiness_cli import evidence_lines, shapes_line, timing_line
 
 __all__ = ["DEMO_POLICY", "DRIFT_RAMP_S", "run_demo"]
 
@@ -274,6 +274,9 @@ def _verdict(client: CollectorClient, run_id: int, fault: str, url: str) -> int:
         print(f"  - {reason}")
     for line in evidence_lines(body):  # READY: what it rests on
         print(line)
+    shapes = shapes_line(body)
+    if shapes is not None:  # and the shapes it speaks for
+        print(shapes)
     speed = timing_line(body)
     if speed is not None:  # (host time of two CPU implementations here: what a GPU run reports per device)
         print(f"{speed} (the demo's two CPU implementations, host time)")

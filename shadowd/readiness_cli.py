@@ -45,6 +45,7 @@ __all__ = [
     "format_report",
     "json_report",
     "readiness_command",
+    "shapes_line",
     "timing_line",
 ]
 
@@ -127,9 +128,24 @@ def timing_line(body: dict[str, Any]) -> str | None:
     return line
 
 
+def shapes_line(body: dict[str, Any]) -> str | None:
+    """For a READY answer, the shapes it speaks for (its ``covered_shapes``) as one line: what on mode behind a
+    promotion gate serves the candidate on; None otherwise (or from a collector that does not say)."""
+    rows = body.get("covered_shapes")
+    if body.get("verdict") != "READY" or not isinstance(rows, list) or not rows:
+        return None
+    try:
+        bs, t, p = (max(int(r[i]) for r in rows) for i in range(3))
+    except (TypeError, ValueError, IndexError):
+        return None
+    return (f"  shapes: {len(rows)} shape buckets (batches up to {bs}, trees up to {t} nodes, prefixes below "
+            f"{1 << p} tokens): on mode behind a promotion gate serves the candidate on these only")
+
+
 def format_report(body: dict[str, Any]) -> str:
-    """The verdict line, then one line per reason (or, for READY, per criterion passed: :func:`evidence_lines`), the
-    measured speed-up (:func:`timing_line`), and why a rank's candidate was disabled or fell back."""
+    """The verdict line, then one line per reason (or, for READY, per criterion passed: :func:`evidence_lines`, and
+    the shapes it covers: :func:`shapes_line`), the measured speed-up (:func:`timing_line`), and why a rank's
+    candidate was disabled or fell back."""
     if "verdict" not in body:
         return f"ERROR {body.get('error', body)}"
     head = f"{body['verdict']}  run {body.get('run_id')} ({body.get('run_key', '')})"
@@ -139,6 +155,9 @@ def format_report(body: dict[str, Any]) -> str:
     lines = [head]
     lines += [f"  - {r}" for r in body.get("reasons", [])]
     lines += evidence_lines(body)
+    shapes = shapes_line(body)
+    if shapes is not None:
+        lines.append(shapes)
     speed = timing_line(body)
     if speed is not None:
         lines.append(speed)

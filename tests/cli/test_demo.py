@@ -34,6 +34,7 @@ def test_demo_reaches_ready_for_a_good_candidate():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "readiness verdict for run 1: READY" in done.stdout
     assert "  ok exceedance: 0/" in done.stdout and "  ok coverage: " in done.stdout  # what READY rests on
+    assert "  shapes: " in done.stdout and "shape buckets (batches up to " in done.stdout  # and the shapes it covers
     assert "  speed-up " in done.stdout and " timed calls: candidate " in done.stdout  # and the reason to switch
     assert "DEMO policy" in done.stdout  # it says plainly what it judges with
     assert "status page" in done.stdout

@@ -102,6 +102,11 @@ def test_default_policy_reaches_ready_then_drift_flips_it(env: Env) -> None:
                                                       "  ok hysteresis", "  info baseline_events"}
     exc = next(c for c in body["criteria"] if c["name"] == "exceedance")
     assert f"  ok exceedance: {exc['detail']}" in evidence
+    shapes = body["covered_shapes"]
+    assert [ln for ln in evidence if ln.startswith("  shapes: ")] == [
+        f"  shapes: {len(shapes)} shape buckets (batches up to {max(x[0] for x in shapes)}, trees up to "
+        f"{max(x[1] for x in shapes)} nodes, prefixes below {1 << max(x[2] for x in shapes)} tokens): on mode "
+        "behind a promotion gate serves the candidate on these only"]
 
     layers = env.client.get(f"/readiness/{rid}/layers").json()["layers"]
     assert layers[0]["status"] == "ok" and layers[0]["samples"] == 47_000 + 1_800
