@@ -26,10 +26,10 @@ from shadowd.hook.triton_control import gate_kernel
 from shadowd.hook.triton_hist import COLS_WARPS
 from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
 
-__all__ = ["HIST_MODE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC", "REC_MAIN", "REC_MAIN_ORACLE",
-           "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND", "SMALL_NUMEL", "SMALL_TILE", "SPEC_NUMEL",
-           "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for", "launch_stats",
-           "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported"]
+__all__ = ["HIST_MODE", "LARGE_NUMEL", "LARGE_TILE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC",
+           "REC_MAIN", "REC_MAIN_ORACLE", "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND", "SMALL_NUMEL",
+           "SMALL_TILE", "SPEC_NUMEL", "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for",
+           "launch_stats", "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported"]
 
 #: record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind, and the candidate's
 #: error flag as the call's statistics kernel read it (``launch_stats(cand_flag=...)``; 0 without one)
@@ -45,10 +45,13 @@ TILE = (4096, 8, 2)
 #: outputs up to SMALL_NUMEL elements use SMALL_TILE: one short tile per program keeps the latency of a
 #: per-layer call low (the launch configuration still depends only on the static size: graph-safe)
 SMALL_NUMEL, SMALL_TILE = 2**17, (1024, 4, 4)
-#: outputs up to MID_NUMEL elements (one to four tiles per program) use MID_TILE: four warps, registers
-#: uncapped (on the H200: 64×16×512 bf16 3.74 µs per call against 4.12 µs with TILE, 128×32×512 6.0 against
-#: 6.8 µs; bench/results/hook-2026-11-30.md)
-MID_NUMEL, MID_TILE = 2**22, (4096, 4, 2)
+#: outputs up to MID_NUMEL elements use MID_TILE: one program of four warps per SM, several 2048-element tiles
+#: each (the next one's loads in flight while one is reduced), so half the programs fold into the accumulator row
+#: and take a ticket; up to LARGE_NUMEL, LARGE_TILE: two such programs per SM. On an H100, per call of 20 in a graph
+#: against the (4096, 4, 2) used before: 2^20 elements 4.36 against 5.28 µs, 2^21 5.62 against 6.11, 2^22 7.77
+#: against 8.08, 2^23 12.66 against 13.79 (2^19 unchanged; bench/results/hook-2026-12-07.md, session 27)
+MID_NUMEL, MID_TILE = 2**21, (2048, 4, 1)
+LARGE_NUMEL, LARGE_TILE = 2**23, (2048, 4, 2)
 #: outputs up to SPEC_NUMEL elements launched without PDL load their first tile before the call's decision
 #: arrives (it saves a memory round trip on sampled calls and costs that read on unsampled ones; under PDL
 #: the decision is read before the wait instead, at no cost); up to POS_NUMEL the pass
@@ -138,7 +141,8 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     has_valid = isinstance(valid_rows, torch.Tensor)
     if isinstance(valid_rows, int):
         n = min(n, valid_rows * row)
-    block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else MID_TILE if n <= MID_NUMEL else TILE)
+    block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else MID_TILE if n <= MID_NUMEL
+                                    else LARGE_TILE if n <= LARGE_NUMEL else TILE)
     # histogram by inline PTX on the GPU (shared-memory columns, or warp ballots where the columns are not
     # compiled for this many warps); tl.histogram in the interpreter
     mode = (hist_mode or (1 if _INTERPRET else HIST_MODE)) if hist else 0
