@@ -134,6 +134,9 @@ def main() -> int:
                     help="only the per-call rows under a graph, at the default tiles")
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the hook's overhead per call (host time, and device time under a graph)")
+    ap.add_argument("--hist-modes", metavar="M", nargs="+", type=int, default=None,
+                    help="with --tiles: also time each tile with these histogram modes (1 tl.histogram, 2 warp "
+                         "ballots, 3 shared-memory columns: shadowd.hook.triton_hist)")
     ap.add_argument("--tiles", metavar="B,W,P", nargs="+", default=None,
                     help="with --latency-only: also time these tiles (elements per tile, warps, programs per SM) "
                          "per call under a graph, each with the histogram and without it")
@@ -212,6 +215,10 @@ def stats_benchmarks(res: dict, args: argparse.Namespace, dev: torch.device, cop
             for hist in (True, False):
                 per_tile[f"{tile}{'' if hist else ' no histogram'}"] = 1e6 * graph_time(
                     lambda c=c, b=b, tile=tile, hist=hist: [st(c, b, tile, hist) for _ in range(CALLS_PER_GRAPH)]
+                ) / CALLS_PER_GRAPH
+            for mode in args.hist_modes or ():
+                per_tile[f"{tile} histogram mode {hist_mode_for(mode, tile[1])}"] = 1e6 * graph_time(
+                    lambda c=c, b=b, tile=tile, mode=mode: [st(c, b, tile, True, mode) for _ in range(CALLS_PER_GRAPH)]
                 ) / CALLS_PER_GRAPH
         per_launch = {}
         if b.numel() <= 2**21 and not args.latency_only:
