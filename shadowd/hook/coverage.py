@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shadowd.wire import prefix_bucket_of
+
 __all__ = ["BATCH_IDX_MAX", "PREFIX_IDX_MAX", "WORDS", "Coverage", "shape_index"]
 
 #: batch and tree indices go to 31 (a bucket of 2^31; the wire caps both at 2^30), prefix indices to 63
@@ -31,7 +33,7 @@ def shape_index(batch_size: int, draft_tokens: int, prefix_len: int) -> tuple[in
     """(batch, tree, prefix) bucket indices of one call: the collector's buckets 2^b, 2^t and prefix bucket p."""
     b = min((max(int(batch_size), 1) - 1).bit_length(), BATCH_IDX_MAX)
     t = min((max(int(draft_tokens), 1) - 1).bit_length(), BATCH_IDX_MAX)
-    p = min(max(int(prefix_len), 0), 2**52).bit_length()  # (the control kernel's float64 arithmetic is exact to 2^53)
+    p = prefix_bucket_of(min(max(int(prefix_len), 0), 2**52))  # (the control kernel's float64 is exact to 2^53)
     return b, t, p
 
 

@@ -297,9 +297,9 @@ def _seconds(value: float, bound: float) -> str:
 _BUCKET_KEY = ("bs_bucket", "t_bucket", "prefix_bucket", "heads")
 
 
-def _declared_layers(r: RunRollups, per_layer: dict[int, Any]) -> list[int]:
+def _declared_layers(r: RunRollups) -> list[int]:
     # every declared layer and every layer seen
-    return sorted(set(range(int(_f(r.run, "num_layers")))) | set(per_layer))
+    return sorted(set(range(int(_f(r.run, "num_layers")))) | {int(c["layer"]) for c in r.cells})
 
 
 def _bucket_floors(r: RunRollups, layers: list[int]) -> dict[tuple[int, ...], float]:
@@ -317,7 +317,7 @@ def covered_shapes(r: RunRollups, p: Policy) -> list[list[int]]:
     least ``min_cell_samples`` compared calls in every declared layer (what :func:`coverage` requires of every bucket
     seen), sorted; buckets that differ only in heads count once. On mode serves the candidate on these shapes
     only, once a promotion gate opened on this verdict (``shadowd.hook.coverage``)."""
-    floors = _bucket_floors(r, _declared_layers(r, fold_layers(r.cells)))
+    floors = _bucket_floors(r, _declared_layers(r))
     need = max(p.min_cell_samples, 1)
     return [list(k) for k in sorted({(bs, t, pb) for (bs, t, pb, _h), n in floors.items() if n >= need})]
 
@@ -331,7 +331,7 @@ def coverage(r: RunRollups, p: Policy) -> Criterion:
     """
     need = p.min_cell_samples
     per_layer = fold_layers(r.cells)
-    layers = _declared_layers(r, per_layer)
+    layers = _declared_layers(r)
     short_layers = [lay for lay in layers if per_layer.get(lay, {}).get("n", 0.0) < need]
     per_bucket = {bucket_label(dict(zip(_BUCKET_KEY, key, strict=True))): n
                   for key, n in _bucket_floors(r, layers).items()}
