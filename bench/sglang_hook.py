@@ -1,7 +1,8 @@
 """H200 benchmark of the SGLang plugin's hooked verify path (real SGLang Triton baseline, real
 mla_tree_verify candidate), eager and inside a captured CUDA graph, in off / validate / on.
 
-    python bench/sglang_hook.py [--quick] [--out FILE.json]
+    python bench/sglang_hook.py [--quick] [--sample N] [--out FILE.json]
+    python bench/sglang_hook.py --padded        # a padded graph replay: real requests only in the samples
 
 Per shape: a ``layers``-layer verify step (bs requests, prefix L scattered over the cache, random
 trees of T nodes, H heads, bf16) through ``TritonAttnBackend.forward_extend``:
@@ -164,6 +165,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/sglang_hook.json")
     ap.add_argument("--oracle-bundles", action="store_true",
                     help="only the eager oracle sampling and repro-bundle run (see oracle_and_bundles)")
+    ap.add_argument("--padded", action="store_true",
+                    help="only the padded-replay check (see padded_replay)")
     args = ap.parse_args()
     standins()
     import sglang
@@ -176,6 +179,10 @@ def main() -> None:
     from shadowd.sglang.verify import VerifyShadow
 
     original = tb.TritonAttnBackend.forward_extend
+    if args.padded:
+        with get_parallel().override(dcp_enabled=False):
+            padded_replay(tb, original, args.out)
+        return
     if args.oracle_bundles:
         with get_parallel().override(dcp_enabled=False):
             oracle_and_bundles(tb, original, args.out, args.quick)
@@ -256,6 +263,63 @@ def main() -> None:
             del case
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def padded_replay(tb: Any, original: Any, out: str) -> None:
+    """Validate captured for a batch of 4, replayed as SGLang replays a smaller batch in that graph: the last
+    request turned into padding in place (its write slots 0, its prefix the fill value 1 at slot 0, as the decode
+    graph's buffer registry and the Triton backend's metadata leave it). Per replay: the samples' batch size and
+    element count (the real requests' rows only) and the baseline output bit-exact against SGLang's eager one."""
+    import torch
+
+    from shadowd.hook.config import HookConfig, Sampling
+    from shadowd.hook.runtime import HookRuntime, set_runtime
+    from shadowd.sglang.verify import VerifyShadow
+
+    bs, draft, heads, layers = 4, 8, 8, 2
+    case = make_case(tb, bs=bs, prefix=1024, draft=draft, heads=heads, layers=layers)
+    samples: list[dict[str, Any]] = []
+    rt = HookRuntime(HookConfig(mode="validate", sampling=Sampling(1)), sink=samples.append)
+    set_runtime(rt)
+    hook = VerifyShadow(runtime=rt, first_layer=0)
+
+    def fe(*a: Any, **kw: Any) -> Any:
+        return hook(original, *a, **kw)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(case, fe)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = step(case, fe)
+    ds = rt.device()
+    ds.poll()
+    md, fb = case.backend.forward_metadata, case.fb
+    rows: list[dict[str, Any]] = []
+    for real in (4, 3, 1):
+        if real < bs:  # request `real` .. bs-1 become padding, as SGLang leaves them in the static buffers
+            fb.out_cache_loc[real * draft:].zero_()
+            for b in range(real, bs):
+                md.kv_indptr[b + 1] = md.kv_indptr[b] + 1
+                md.kv_indices[md.kv_indptr[b]] = 0
+                md.mask_indptr[b + 1] = md.mask_indptr[b] + draft * (1 + draft)
+        ref = [o.clone() for o in step(case, original)]  # SGLang on the same (padded) inputs, eagerly
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+        got = ds.poll()
+        rows.append(dict(real_requests=real, samples=len(got),
+                         batch_sizes=sorted({int(g["batch_size"]) for g in got}),
+                         numel=sorted({int(g["numel"]) for g in got}), expected_numel=real * draft * heads * 512,
+                         prefix_lens=sorted({int(g["prefix_len"]) for g in got}),
+                         baseline_bitexact=all(torch.equal(a, b) for a, b in zip(gout, ref, strict=True))))
+        print(json.dumps(rows[-1]), flush=True)
+    set_runtime(None)
+    Path(out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "padded_replay": rows}, indent=1))
 
 
 def oracle_and_bundles(tb: Any, original: Any, out: str, quick: bool) -> None:

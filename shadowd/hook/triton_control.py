@@ -106,6 +106,9 @@ def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag
     sampled = (step % sample_n) == 0
     spot = (step % spot_n) == 0
     publish = ok & (((mode == 1) & sampled) | ((mode == 2) & covered & spot) | ((mode == 2) & (~covered) & sampled))
+    # a replay whose batch is all padding (a meta of 0 real requests: an idle data-parallel rank) has nothing to
+    # compare: no sample
+    publish = publish & (bs_v > 0)
     # on mode: a served candidate output held a NaN or an Inf (sstate[15], raised by the select kernel of an
     # earlier call whose output was served unchecked): this call is a spot check, so a candidate that makes
     # non-finite values where the baseline does not is caught now, not up to spot_n - 1 calls later (a word

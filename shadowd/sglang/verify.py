@@ -45,6 +45,7 @@ from shadowd.sglang.candidate import (
     error_flag,
     oracle,
 )
+from shadowd.sglang.padding import graph_shape
 
 __all__ = ["SITE_NAME", "TARGET", "VerifyShadow", "ineligible"]
 
@@ -220,37 +221,32 @@ class VerifyShadow:
     def _bucket(q: torch.Tensor, heads: int, forward_batch: Any, md: Any, site: ShadowSite,
                 layer_id: int) -> Bucket:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        rows = q.shape[0]
-        if not capturing:  # eagerly every layer of a step has the same bucket: made by its first call
-            hit = getattr(forward_batch, "_shadowd_bucket", None)
-            if hit is not None and hit[0] is md and hit[1] == rows and hit[2] == heads:
-                return hit[3]
-        bs = max(1, int(getattr(forward_batch, "batch_size", 0) or md.qo_indptr.shape[0] - 1))
-        draft = max(1, int(md.max_extend_len) if md.max_extend_len else rows // bs)
-        prefix = 0
-        meta = None
-        seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-        if capturing:
-            # On replay no Python runs: the shape the kernels record comes from device memory. One meta
-            # per forward, rebuilt by the first layer inside the capture (so it is part of the graph).
-            meta = getattr(forward_batch, "_shadowd_meta", None)
-            if meta is None or layer_id == site.first_layer:
-                meta = _device_meta(md.kv_indptr[: bs + 1], bs, draft)
-                forward_batch._shadowd_meta = meta
-        elif seq_cpu is not None and len(seq_cpu):
-            prefix = int(max(seq_cpu[:bs].tolist()))
-        bucket = Bucket(batch_size=bs, draft_tokens=draft, prefix_len=prefix, heads=heads, valid_rows=rows, meta=meta)
-        if not capturing:
-            forward_batch._shadowd_bucket = (md, rows, heads, bucket)
-        return bucket
+        return _make_bucket(q.shape[0], heads, forward_batch, md, site, layer_id, capturing)
 
 
-def _device_meta(kv_indptr: torch.Tensor, bs: int, draft: int) -> torch.Tensor:
-    """``int64 [batch, draft, longest prefix]`` on the device, from ``kv_indptr`` (capturable: no sync)."""
-    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
-    meta = torch.empty(3, dtype=torch.int64, device=kv_indptr.device)
-    # fill_ takes the scalar as a kernel argument: no host-to-device copy, so it is capturable
-    meta[0:1].fill_(bs)
-    meta[1:2].fill_(draft)
-    meta[2:3] = lens.amax(dim=0, keepdim=True)
-    return meta
+def _make_bucket(rows: int, heads: int, forward_batch: Any, md: Any, site: ShadowSite, layer_id: int,
+                 capturing: bool) -> Bucket:
+    """The call's shape bucket. Eagerly from host values; inside a graph capture from device memory
+    (:func:`shadowd.sglang.padding.graph_shape`: the real requests and token rows of each replay, padding
+    excluded), one tensor per forward, rebuilt by the first layer inside the capture (so it is part of the graph)."""
+    if not capturing:  # eagerly every layer of a step has the same bucket: made by its first call
+        hit = getattr(forward_batch, "_shadowd_bucket", None)
+        if hit is not None and hit[0] is md and hit[1] == rows and hit[2] == heads:
+            return hit[3]
+    bs = max(1, int(getattr(forward_batch, "batch_size", 0) or md.qo_indptr.shape[0] - 1))
+    draft = max(1, int(md.max_extend_len) if md.max_extend_len else rows // bs)
+    if capturing:
+        meta = getattr(forward_batch, "_shadowd_meta", None)
+        if meta is None or layer_id == site.first_layer:
+            meta = graph_shape(md.qo_indptr, md.kv_indptr, getattr(forward_batch, "out_cache_loc", None), bs,
+                               draft, rows)
+            forward_batch._shadowd_meta = meta
+        return Bucket(batch_size=bs, draft_tokens=draft, prefix_len=0, heads=heads, valid_rows=meta[3],
+                      meta=meta[:3])
+    prefix = 0
+    seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    if seq_cpu is not None and len(seq_cpu):
+        prefix = int(max(seq_cpu[:bs].tolist()))
+    bucket = Bucket(batch_size=bs, draft_tokens=draft, prefix_len=prefix, heads=heads, valid_rows=rows)
+    forward_batch._shadowd_bucket = (md, rows, heads, bucket)
+    return bucket

@@ -104,6 +104,16 @@ CAPTURE[0] = True  # from here the kernels decide, as on graph replay
 for _ in range(4):
     s(x, w, layer=0, bucket=bk)
 out["device_steps"] = [r["step"] for r in ds.poll()]
+# a replay of a batch that is all padding (its meta reads 0 real requests): nothing to compare, no sample; the
+# next real batch is sampled again
+meta[0] = 0
+for _ in range(4):
+    s(x, w, layer=0, bucket=bk)
+out["empty_batch_records"] = len(ds.poll())
+meta[0] = 2
+for _ in range(2):
+    s(x, w, layer=0, bucket=bk)
+out["after_empty_batch"] = [[r["batch_size"], r["numel"]] for r in ds.poll()]
 rt.set_override("off")
 for _ in range(4):
     s(x, w, layer=0, bucket=bk)
@@ -508,6 +518,8 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     assert r["eager_max_abs_ok"]
     assert r["device_steps"] == [6, 8], "sampling decided by the control kernel: every 2nd step"
     assert r["kill_switch_records"] == 0, "the pinned kill-switch word stops the statistics"
+    assert r["empty_batch_records"] == 0, "an all-padding replay publishes no sample"
+    assert r["after_empty_batch"] == [[2, 12 * 8]], r["after_empty_batch"]
     # calls 1..6 = steps 1..6, spot checks at 2, 4, 6; the candidate turns bad at call 4 (a spot check)
     assert r["on_outputs"] == ["cand", "cand", "cand", "base", "base", "base"] and r["fallback"]
     assert r["between_spot_outputs"] == ["cand", "cand", "base", "base", "base", "base"], r

@@ -1,0 +1,103 @@
+"""A graph replay's real requests, read from device memory (``shadowd.sglang.padding``).
+
+The padded batch is made by SGLang's own decode-graph buffer registry (``build_decode_registry``, its
+``fill_from`` / ``extract_buffer``), so a change of SGLang's padding policy fails these tests; the functions
+under test are plain torch ops, run here on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from shadowd.hook.site import ShadowSite
+from shadowd.sglang.padding import META_FIELDS, graph_shape
+from shadowd.sglang.verify import _make_bucket
+from tests.sglang.builders import make_case
+
+
+def _indptr(lens: list[int] | torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(lens, dtype=torch.int64)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), t.cumsum(0)])
+
+
+def _padded(sgl: Any, prefix: tuple[int, ...], draft: int, padded_bs: int) -> tuple[Any, Any, Any]:
+    """A real verify case and its forward batch as SGLang's graph registry pads it to ``padded_bs`` requests,
+    with the verify metadata the Triton backend derives from the padded buffers."""
+    from sglang.srt.model_executor.cuda_graph_buffer_registry import build_decode_registry
+
+    case = make_case(sgl, prefix=prefix, draft=draft)
+    raw_bs = len(prefix)
+    fill = sgl.TritonAttnBackend.get_cuda_graph_seq_len_fill_value(case.backend)
+    reg = build_decode_registry(device=torch.device("cpu"), max_bs=padded_bs, max_num_token=padded_bs * draft,
+                                seq_len_fill_value=fill, cache_loc_dtype=torch.int64, share_pool=False)
+    stale = reg.get_slot("out_cache_loc").buffer
+    stale.fill_(9)  # an earlier, larger replay's slots: the padding policy must reset them
+    reg.fill_from(case.forward_batch, raw_bs=raw_bs, padded_bs=padded_bs, raw_num_tokens=raw_bs * draft,
+                  padded_num_tokens=padded_bs * draft)
+    fb = reg.extract_buffer(padded_bs=padded_bs, padded_num_tokens=padded_bs * draft,
+                            forward_batch_template=case.forward_batch)
+    fb.batch_size = padded_bs
+    md = case.backend.forward_metadata
+    md.qo_indptr = torch.arange(0, (padded_bs + 1) * draft, draft, dtype=torch.int64)
+    md.kv_indptr = _indptr(fb.seq_lens)  # target verify: the prefix of each (padded) request
+    return case, fb, md
+
+
+def test_a_padded_replay_counts_only_the_real_requests_and_rows(sgl: Any) -> None:
+    _, fb, md = _padded(sgl, prefix=(7, 13, 2), draft=4, padded_bs=8)
+    assert fb.seq_lens.tolist()[3:] == [1] * 5, "SGLang pads seq_lens with the Triton backend's fill value"
+    meta = graph_shape(md.qo_indptr, md.kv_indptr, fb.out_cache_loc, 8, 4, 32)
+    assert dict(zip(META_FIELDS, meta.tolist(), strict=True)) == dict(
+        batch_size=3, draft_tokens=4, prefix_len=13, valid_rows=12)
+
+
+def test_the_longest_prefix_ignores_padded_requests(sgl: Any) -> None:
+    # every real request has an empty prefix; the padded ones hold the fill value (1)
+    _, fb, md = _padded(sgl, prefix=(0, 0), draft=3, padded_bs=4)
+    assert graph_shape(md.qo_indptr, md.kv_indptr, fb.out_cache_loc, 4, 3, 12).tolist() == [2, 3, 0, 6]
+
+
+def test_a_full_batch_is_all_real(sgl: Any) -> None:
+    _, fb, md = _padded(sgl, prefix=(5, 9), draft=4, padded_bs=2)
+    assert graph_shape(md.qo_indptr, md.kv_indptr, fb.out_cache_loc, 2, 4, 8).tolist() == [2, 4, 9, 8]
+
+
+def test_the_graph_bucket_carries_the_device_shape_and_real_rows(sgl: Any) -> None:
+    case, fb, md = _padded(sgl, prefix=(7, 13, 2), draft=4, padded_bs=4)
+    site = ShadowSite("s", lambda *a: None, lambda *a: None, first_layer=0)
+    b0 = _make_bucket(16, 2, fb, md, site, 0, capturing=True)
+    assert isinstance(b0.valid_rows, torch.Tensor) and int(b0.valid_rows) == 12
+    assert b0.meta is not None and b0.meta.tolist() == [3, 4, 13]
+    b1 = _make_bucket(16, 2, fb, md, site, 1, capturing=True)
+    assert b1.meta is not None and b1.meta.data_ptr() == b0.meta.data_ptr(), "one shape tensor per forward"
+    # eagerly (no padding in an eager verify batch) the bucket is the host's
+    be = _make_bucket(12, 2, case.forward_batch, case.backend.forward_metadata, site, 0, capturing=False)
+    assert (be.batch_size, be.draft_tokens, be.prefix_len, be.valid_rows, be.meta) == (3, 4, 13, 12, None)
+
+
+def test_all_padding_has_no_real_request() -> None:
+    qo = torch.arange(0, 5 * 2, 2)
+    kv = _indptr([1, 1, 1, 1])
+    assert graph_shape(qo, kv, torch.zeros(8, dtype=torch.int64), 4, 2, 8).tolist() == [0, 2, 0, 0]
+
+
+def test_without_write_slots_every_row_is_real() -> None:
+    qo = torch.arange(0, 4 * 3, 3)
+    assert graph_shape(qo, _indptr([4, 0, 6]), None, 3, 3, 9).tolist() == [3, 3, 6, 9]
+    assert graph_shape(qo, _indptr([4, 0, 6]), None, 3, 3, 0).tolist() == [0, 3, 0, 0]
+
+
+def test_requests_of_different_sizes_count_by_their_first_row() -> None:
+    # a ragged batch: 3, 1 and 2 draft rows, the last request padding (no slot) and an empty one after it
+    qo = torch.tensor([0, 3, 4, 6, 6])
+    loc = torch.tensor([11, 12, 13, 14, 0, 0])
+    assert graph_shape(qo, _indptr([5, 8, 1, 1]), loc, 4, 3, 6).tolist() == [2, 3, 8, 4]
+
+
+@pytest.mark.parametrize(("bs", "rows"), [(0, 4), (2, -1)])
+def test_bad_sizes_are_refused_by_name(bs: int, rows: int) -> None:
+    with pytest.raises(ValueError, match="bs must be >= 1 and rows >= 0"):
+        graph_shape(torch.arange(3), torch.arange(3), None, bs, 1, rows)
