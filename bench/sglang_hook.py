@@ -140,6 +140,22 @@ def step(case: Any, fe: Any) -> list[Any]:
             zip(case.layers, case.q, case.k, strict=True)]
 
 
+def capture(case: Any, fe: Any) -> tuple[Any, list[Any]]:
+    """The step captured in a CUDA graph (after a warm-up run on a side stream), and the graph's outputs."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(case, fe)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = step(case, fe)
+    return graph, gout
+
+
 def time_eager(fn: Any, iters: int, warm: int = 1) -> float:
     """Mean ms per call over ``iters`` calls after ``warm`` untimed ones (enough to reach a sampled step, so that
     no Triton kernel compiles inside the timed loop)."""
@@ -222,16 +238,7 @@ def main() -> None:
                                                       for a, b in zip(outs, ref, strict=True))
                 row[f"{mode}_eager_ms"] = time_eager(lambda case=case, fe=fe: step(case, fe), iters,
                                                      warm=max(1, args.sample) + 1)
-                # CUDA graph: capture the whole step, replay
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    step(case, fe)
-                torch.cuda.current_stream().wait_stream(s)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    gout = step(case, fe)
+                graph, gout = capture(case, fe)  # CUDA graph: the whole step, replayed below
                 ds = rt._device
                 if ds is not None:
                     ds.poll()
@@ -286,15 +293,7 @@ def padded_replay(tb: Any, original: Any, out: str) -> None:
     def fe(*a: Any, **kw: Any) -> Any:
         return hook(original, *a, **kw)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(case, fe)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gout = step(case, fe)
+    graph, gout = capture(case, fe)
     ds = rt.device()
     ds.poll()
     md, fb = case.backend.forward_metadata, case.fb
