@@ -48,6 +48,17 @@ class BatchRejected(CollectorError):
         self.status = status
         self.detail = detail
 
+    @property
+    def unknown_producer_field(self) -> tuple[str, str] | None:
+        """``("producer_stats" | "producer_notes", key)`` when the collector refused a batch for a producer figure
+        it does not know (a collector older than the producer), else None."""
+        d = self.detail if isinstance(self.detail, dict) else {}
+        group, _, key = str(d.get("field", "")).partition(".")
+        if (self.status != 422 or group not in ("producer_stats", "producer_notes") or not key
+                or not str(d.get("error", "")).startswith("unknown field")):
+            return None
+        return group, key
+
 
 def _detail(resp: httpx.Response) -> Any:
     try:

@@ -183,6 +183,10 @@ PRODUCER_STATS: tuple[str, ...] = (
     "fallback",        # 1 when an on-mode hook has fallen back to the baseline
     "disabled",        # 1 when the candidate is disabled for the process
     "device_errors",   # kernel-side error flags (out-of-range indices) seen
+    # on mode, cumulative: calls on a shape bucket the verdict (and the static limits) cover, and calls on one they
+    # do not, which the baseline served (graph replays as of the latest record the hook drained)
+    "on_covered_calls",
+    "on_uncovered_calls",
     # SGLang's speculative decoding, cumulative per mode in effect (off / validate / on): accepted
     # tokens, request-steps (accept length = tokens / request-steps) and verify passes
     *(f"spec_{what}_{mode}" for mode in ("off", "validate", "on") for what in ("accept_tokens", "req_steps", "passes")),

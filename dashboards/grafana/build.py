@@ -516,6 +516,26 @@ def build() -> dict[str, Any]:
         w=8,
         h=8,
     )
+    lay.add(
+        _panel(
+            "timeseries",
+            "On mode: calls outside the verdict's shapes",
+            [
+                _target(
+                    f"sum by (run) (shadowd_producer_on_uncovered_calls{{{R}}}) / clamp_min("
+                    f"sum by (run) (shadowd_producer_on_covered_calls{{{R}}}) + "
+                    f"sum by (run) (shadowd_producer_on_uncovered_calls{{{R}}}), 1)",
+                    "run {{run}}",
+                )
+            ],
+            "Share of on-mode calls on a shape bucket (batch, tree, prefix) the promotion gate's verdict did not "
+            "cover: the baseline served them. Traffic the validate run never saw; validate those shapes to serve "
+            "the candidate there.",
+            unit="percentunit",
+        ),
+        w=8,
+        h=8,
+    )
 
     lay.row("Performance")
     lay.add(

@@ -229,6 +229,11 @@ class RollupExporter(Collector):
             "disabled": ("shadowd_producer_candidate_disabled", "1 when a producer disabled its candidate"),
             "gaps": ("shadowd_producer_sequence_gaps", "Batches missing from a producer's sequence"),
             "device_errors": ("shadowd_producer_device_errors", "Kernel-side index errors a producer saw"),
+            "on_covered_calls": ("shadowd_producer_on_covered_calls",
+                                 "On-mode calls on a shape bucket the verdict covers (the candidate may serve them)"),
+            "on_uncovered_calls": ("shadowd_producer_on_uncovered_calls",
+                                   "On-mode calls on a shape bucket the verdict does not cover (the baseline served "
+                                   "them)"),
         }
         by_run: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for p in prods:

@@ -116,6 +116,9 @@ producers = Table(
     _counter("fallback"),
     _counter("disabled"),
     _counter("device_errors"),
+    # on mode: calls on a shape the verdict covers, and on one it does not (the baseline served them)
+    _counter("on_covered_calls"),
+    _counter("on_uncovered_calls"),
     # why the producer's candidate was disabled / on mode fell back (its first reason; NULL: none reported)
     Column("disabled_reason", String(300)),
     Column("fallback_reason", String(300)),

@@ -243,7 +243,10 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         return _baseline(site, args, kwargs, p)
     host_decides, do_stats, use_cand = 1, 1, 0
     if not capturing:
-        if code == 2 and rt.covered(b.batch_size, b.draft_tokens, b.prefix_len):
+        covered = code == 2 and rt.covered(b.batch_size, b.draft_tokens, b.prefix_len)
+        if code == 2:  # (graph replays are counted by the control kernel)
+            rt.count_on(covered)
+        if covered:
             # (an output key not seen on a compared call yet — the first call — is checked)
             t0 = first_tensor(args)
             want = site.out_metas.get(key_of(t0))

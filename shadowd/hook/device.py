@@ -227,6 +227,7 @@ class DeviceState:
     def _sample(self, rec: Any) -> dict[str, Any]:
         rt = self.rt
         site, layer = self.sites[int(rec[10])]
+        rt.note_device_on(int(rec[13]), int(rec[14]))
         flags = int(rec[4])
         kflag = int(rec[12])  # the candidate's error word as the statistics kernel read it (0: none, or no flag)
         if flags & 4 and not rt.fallback:

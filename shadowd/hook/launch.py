@@ -31,9 +31,10 @@ __all__ = ["HIST_MODE", "LARGE_NUMEL", "LARGE_TILE", "MID_NUMEL", "MID_TILE", "N
            "SMALL_TILE", "SPEC_NUMEL", "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for",
            "launch_stats", "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported"]
 
-#: record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind, and the candidate's
-#: error flag as the call's statistics kernel read it (``launch_stats(cand_flag=...)``; 0 without one)
-NMETA = 13
+#: record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind, the candidate's
+#: error flag as the call's statistics kernel read it (``launch_stats(cand_flag=...)``; 0 without one), and the
+#: control kernel's counts of on-mode replays on covered / uncovered shapes
+NMETA = 15
 #: record kinds (word 11): candidate vs baseline; the same, preceded by this call's two oracle records
 #: (eager validate, 1 in ``oracle_every`` sampled calls); candidate vs oracle; baseline vs oracle
 REC_MAIN, REC_MAIN_ORACLE, REC_ORACLE_CAND, REC_ORACLE_BASE = range(4)

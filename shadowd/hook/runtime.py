@@ -68,6 +68,11 @@ class HookRuntime:
         self.fallback_reason: str | None = None
         self.disabled_reason: str | None = None
         self.device_errors = 0
+        #: on-mode calls (neither fallen back nor disabled) on a shape the verdict and the static limits cover, and
+        #: on one they do not (the baseline served those): eager calls counted by the host, graph replays by the
+        #: control kernel (``device_on_calls``, as of the latest record drained)
+        self.on_calls = [0, 0]
+        self.device_on_calls = [0, 0]
         self.step = 0
         #: a weak reference to the ShadowSite whose first-layer calls advance ``step`` (the first one to make such a
         #: call; a site that replaces it once it is gone takes over)
@@ -206,8 +211,23 @@ class HookRuntime:
             self._device.sync_host_control(self)
 
     def producer_stats(self) -> dict[str, int]:
+        covered, uncovered = self.on_shape_calls()
         return {"fallback": int(self.fallback), "disabled": int(self.disabled),
-                "device_errors": int(self.device_errors)}
+                "device_errors": int(self.device_errors), "on_covered_calls": covered,
+                "on_uncovered_calls": uncovered}
+
+    def count_on(self, covered: bool) -> None:
+        """An eager on-mode call (neither fallen back nor disabled) on a shape covered or not (:meth:`covered`)."""
+        self.on_calls[0 if covered else 1] += 1
+
+    def note_device_on(self, covered: int, uncovered: int) -> None:
+        """The control kernel's counts of on-mode graph replays, as a drained record carries them (cumulative)."""
+        dev = self.device_on_calls
+        dev[0], dev[1] = max(dev[0], covered), max(dev[1], uncovered)
+
+    def on_shape_calls(self) -> tuple[int, int]:
+        """(on-mode calls on a covered shape, on-mode calls on a shape not covered) so far, eager and replayed."""
+        return (self.on_calls[0] + self.device_on_calls[0], self.on_calls[1] + self.device_on_calls[1])
 
     def producer_notes(self) -> dict[str, str]:
         """Why the candidate was disabled / on mode fell back (``shadowd.wire.PRODUCER_NOTES``), once it was."""

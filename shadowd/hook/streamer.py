@@ -20,8 +20,10 @@
   every later batch reports in ``producer_stats``; an idle producer (traffic stopped before the collector came
   back) reports it in a stats-only batch (``shadowd.wire``) once the spool is delivered.
 * A 4xx answer (bad batch, conflict, unknown run, too big) is logged and the batch dropped and counted in
-  ``rejected``: it is never retried. 401 / 403 (a token the collector does not take: rotated, mistyped) keep
-  the batch in the spool instead, for a process restarted with the right token to replay. A batch answered
+  ``rejected``: it is never retried. Except a refusal of a producer figure the collector does not know (one
+  older than this hook): the figure is left out of this batch, sent again at once, and of every later one.
+  401 / 403 (a token the collector does not take: rotated, mistyped) keep the batch in the spool instead, for a
+  process restarted with the right token to replay. A batch answered
   500 ``BUG_TRIES`` times in a row is dropped too (the collector failing on it; a 503, the database
   unavailable, is retried for as long as it lasts): it would otherwise hold every later batch behind it.
 * :meth:`Streamer.close` (at exit) spools what a collector that does not answer still holds — the batch in
@@ -46,7 +48,15 @@ from typing import Any
 
 from shadowd.client import BatchRejected, CollectorClient, CollectorUnavailable
 from shadowd.hook.spool import PENDING_RUN, Spool
-from shadowd.wire import COLUMNS, PRODUCER_NOTE_MAX, PRODUCER_NOTES, encode_msgpack, pack_column, pack_hist
+from shadowd.wire import (
+    COLUMNS,
+    PRODUCER_NOTE_MAX,
+    PRODUCER_NOTES,
+    decode_msgpack,
+    encode_msgpack,
+    pack_column,
+    pack_hist,
+)
 
 __all__ = ["Streamer", "build_batch"]
 
@@ -113,9 +123,9 @@ def build_batch(producer: str, seq: int, samples: list[dict[str, Any]],
 
 
 def _health(stats: dict[str, int], notes: dict[str, str]) -> dict[str, Any]:
-    # the figures whose change an idle producer reports (all but the speculative-decoding counters, which move
-    # with every verify step and travel with the next batch of samples)
-    return {**{k: v for k, v in stats.items() if not k.startswith("spec_")}, **notes}
+    # the figures whose change an idle producer reports (all but the speculative-decoding and on-mode shape
+    # counters, which move with every verify step and travel with the next batch of samples)
+    return {**{k: v for k, v in stats.items() if not k.startswith(("spec_", "on_"))}, **notes}
 
 
 class Streamer:
@@ -155,6 +165,8 @@ class Streamer:
         self.queue_dropped = 0
         self.spool_dropped = 0
         self.rejected = 0  # samples in batches the collector refused (4xx), or that kept failing it (500)
+        #: producer figures the collector refused as unknown (an older collector): left out of every batch
+        self.unknown_fields: set[str] = set()
         self.sent = 0  # samples acknowledged by the collector
         self.last_error: str | None = None
         self._q: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_max)
@@ -268,7 +280,34 @@ class Streamer:
         out = dict(self.stats()) if self.stats else {}
         out["spool_depth"] = self.spool.depth()
         out["dropped"] = self.dropped
-        return out
+        return {k: v for k, v in out.items() if k not in self.unknown_fields}
+
+    def producer_notes(self) -> dict[str, str]:
+        notes = self.notes() if self.notes else {}
+        return {k: v for k, v in notes.items() if k not in self.unknown_fields}
+
+    def _without_unknown(self, e: BatchRejected, body: bytes) -> bytes | None:
+        """The batch ``body`` without the producer figure ``e`` refused as unknown, which every later batch leaves
+        out too (None: refused for anything else)."""
+        what = e.unknown_producer_field
+        if what is None:
+            return None
+        group, key = what
+        try:
+            batch = decode_msgpack(body)
+        except ValueError:
+            return None
+        part = batch.get(group) if isinstance(batch, dict) else None
+        if not isinstance(part, dict) or key not in part:
+            return None
+        if key not in self.unknown_fields:
+            self.unknown_fields.add(key)
+            log.warning("shadowd: the collector does not know the producer figure %s.%s (it is older than this "
+                        "hook): left out from now on", group, key)
+        del part[key]
+        if not part:
+            del batch[group]
+        return encode_msgpack(batch)
 
     def _can_post(self) -> bool:
         return self.run_id != PENDING_RUN and time.monotonic() >= self._retry_at
@@ -333,6 +372,9 @@ class Streamer:
                 self._retry_at = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, 10.0)
                 return None
+            retry = self._without_unknown(e, body)
+            if retry is not None:
+                return self._post(run_id, retry, n)
             self.rejected += n
             log.warning("shadowd: collector rejected a batch of %d samples (%s): dropped", n, e)
             return False
@@ -363,7 +405,7 @@ class Streamer:
         return seq
 
     def _encode(self, seq: int, samples: list[dict[str, Any]]) -> bytes:
-        stats, notes = self.producer_stats(), self.notes() if self.notes else {}
+        stats, notes = self.producer_stats(), self.producer_notes()
         self._encoded = _health(stats, notes)
         return encode_msgpack(build_batch(self.producer, seq, samples, stats, producer_notes=notes, rank=self.rank,
                                               stage=self.stage))
@@ -399,7 +441,7 @@ class Streamer:
         a note): the collector files the figures under the rank of the producer's samples, else the stated one."""
         if self.spool.depth() or not self._can_post() or time.monotonic() - self._last_contact < self.poll_interval_s:
             return
-        health = _health(self.producer_stats(), self.notes() if self.notes else {})
+        health = _health(self.producer_stats(), self.producer_notes())
         if self.sent == 0 and (self.rank is None or not any(health.values())):
             return
         if health != self._reported:

@@ -65,7 +65,8 @@ ACC_C = tl.constexpr(ACC)
 def record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP: tl.constexpr, flag_ptr, HAS_FLAG: tl.constexpr):
     """The words the finishing program needs besides the row, as a tuple: (use_cand, pub, seq, fb_old,
     call, step, mode, baseline ns, candidate ns, batch, draft, prefix, the candidate's error flag (0 without
-    one: HAS_FLAG)). Every program reads them before
+    one: HAS_FLAG), on-mode replays on covered / uncovered shapes (the control kernel's counts)). Every program
+    reads them before
     its ticket, so they arrive while the ticket's round trip is under way and the last program's chain
     is one read of the row. They are stable during the call: the control and stamp kernels wrote them
     before this kernel's first read, and only the last program writes ``dstate`` — after reading them.
@@ -81,7 +82,8 @@ def record_inputs(sstate_ptr, dstate_ptr, t_end, STAMP: tl.constexpr, flag_ptr, 
     kflag = ((tl.load(flag_ptr, cache_modifier=".cg").to(tl.int64) & 0xFFFFFFFF) if HAS_FLAG
              else tl.full([], 0, tl.int64))
     return (use_cand, pub, seq, fb_old, tl.load(sstate_ptr + 5), tl.load(sstate_ptr + 4), tl.load(sstate_ptr + 3),
-            t1 - t0, t2 - t1, tl.load(sstate_ptr + 9), tl.load(sstate_ptr + 10), tl.load(sstate_ptr + 11), kflag)
+            t1 - t0, t2 - t1, tl.load(sstate_ptr + 9), tl.load(sstate_ptr + 10), tl.load(sstate_ptr + 11), kflag,
+            tl.load(dstate_ptr + 4), tl.load(dstate_ptr + 5))
 
 
 @triton.jit
@@ -94,7 +96,7 @@ def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec
     # fallback flag); the record into a ring slot, and the slot's sequence number last, behind a CTA
     # barrier and a system-scope fence. ``inputs``: :func:`record_inputs`; ``kind``: what the record compares
     # (``shadowd.hook.launch``'s REC_* codes: candidate vs baseline, or one side vs the oracle).
-    use_cand, pub, seq, fb_old, call, step, mode, base_ns, cand_ns, batch, draft, prefix, kflag = inputs
+    use_cand, pub, seq, fb_old, call, step, mode, base_ns, cand_ns, batch, draft, prefix, kflag, on_cov, on_unc = inputs
     key = tl.load(acc_ptr + A_KEY, cache_modifier=".cg")
     rel = tl.load(acc_ptr + A_REL, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
     outs = tl.load(acc_ptr + A_OUTS, cache_modifier=".cg").to(tl.int32).to(tl.float32, bitcast=True)
@@ -164,6 +166,8 @@ def finish_record(acc_ptr, accf_ptr, n, inputs, rec_ptr, seq_ptr, ring_size, rec
         tl.store(rec + 10, site_id.to(tl.float64))
         tl.store(rec + 11, kind.to(tl.float64))
         tl.store(rec + 12, kflag.to(tl.float64))
+        tl.store(rec + 13, on_cov.to(tl.float64))
+        tl.store(rec + 14, on_unc.to(tl.float64))
         tl.store(rec, seq.to(tl.float64))
         if PUBLISH:
             # every record store above happens-before the sequence number: CTA barrier, then a

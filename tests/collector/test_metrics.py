@@ -32,6 +32,29 @@ def test_producer_gauges_follow_each_ranks_latest_producer(db_url, make_client):
     assert reg.get_sample_value("shadowd_producer_candidate_disabled", _at(run_id, 0)) == 0.0
 
 
+def test_on_mode_shape_counters_per_rank(db_url, make_client):
+    """How much of on mode's traffic the verdict covers: each rank's latest counts of calls on a covered shape and
+    on an uncovered one (which the baseline served); a late re-delivered batch cannot move them back."""
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=2))
+    for rank, cov, unc in ((0, 900, 100), (1, 400, 0)):
+        body = {**make_batch(8, rank=rank, producer=f"r{rank}"),
+                "producer_stats": {"on_covered_calls": cov, "on_uncovered_calls": unc}}
+        assert post_msgpack(c, run_id, body).status_code == 200
+    reg = c.app.state.metrics.registry
+    assert reg.get_sample_value("shadowd_producer_on_covered_calls", _at(run_id, 0)) == 900.0
+    assert reg.get_sample_value("shadowd_producer_on_uncovered_calls", _at(run_id, 0)) == 100.0
+    assert reg.get_sample_value("shadowd_producer_on_uncovered_calls", _at(run_id, 1)) == 0.0
+    newer = {**make_batch(8, rank=0, producer="r0", seq=2, step0=20),
+             "producer_stats": {"on_covered_calls": 950, "on_uncovered_calls": 120}}
+    late = {**make_batch(8, rank=0, producer="r0", seq=1, step0=10),  # delivered after seq 2 (spooled)
+            "producer_stats": {"on_covered_calls": 920, "on_uncovered_calls": 110}}
+    assert post_msgpack(c, run_id, newer).status_code == 200
+    assert post_msgpack(c, run_id, late).status_code == 200
+    assert reg.get_sample_value("shadowd_producer_on_covered_calls", _at(run_id, 0)) == 950.0
+    assert reg.get_sample_value("shadowd_producer_on_uncovered_calls", _at(run_id, 0)) == 120.0
+
+
 def test_last_ingest_time_survives_a_collector_restart(fresh_sqlite, make_client):
     """ShadowdIngestStalled needs the time of the run's last batch from a collector that has not stored one
     since it started: the gauge is read from the database."""

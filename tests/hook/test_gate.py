@@ -156,6 +156,12 @@ def test_on_mode_serves_the_candidate_only_on_the_shapes_the_verdict_covered(cap
     # (the first call is checked: the site has not seen its output yet; the others are compared as validate calls)
     assert served == {"seen": ("cand", ["on"]), "long prefix": ("base", ["validate"]),
                       "larger tree": ("base", ["validate"]), "larger batch": ("base", ["validate"])}, served
+    # how much of on mode's traffic the verdict covers rides to the collector with every batch
+    stats = rt.producer_stats()
+    assert (stats["on_covered_calls"], stats["on_uncovered_calls"]) == (1, 3), stats
+    rt.fall_back("test")  # the baseline serves every call now: no on-mode shape to count
+    site(x, w, layer=0, bucket=Bucket(batch_size=1, draft_tokens=16, prefix_len=5000))
+    assert rt.on_shape_calls() == (1, 3)
 
 
 def test_a_ready_verdict_that_names_no_shapes_keeps_the_gate_held() -> None:

@@ -532,6 +532,9 @@ def test_gpu_on_mode_serves_the_candidate_only_on_the_shapes_the_verdict_covered
                       else "?")
     assert served == ["cand", "base", "cand", "base", "base", "base"], served
     assert not rt.fallback
+    # counted on the device: the uncovered replays' samples carry 2 covered and 4 uncovered replays to the host
+    _drain(rt)
+    assert rt.device_on_calls == [2, 4], rt.device_on_calls
 
 
 def test_gpu_kill_switch_from_on_to_validate_on_replay() -> None:

@@ -219,3 +219,43 @@ def test_a_forked_child_streams_as_a_producer_of_its_own(collector: Collector, t
     assert os.waitstatus_to_exitcode(status) == 0, "the child delivered its sample and heard the kill switch"
     rows = db_samples(collector.db_path, run_id)
     assert sorted(c for _, c in rows) == [1, 2] and len({p for p, _ in rows}) == 2, rows
+
+
+def test_a_collector_older_than_the_hook_gets_every_sample_without_the_figures_it_does_not_know(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # the collector's own batch check, as a collector from before the on-mode shape counters runs it: it refuses a
+    # batch naming the first figure it does not know; the hook leaves that figure out from then on and loses nothing
+    import shadowd.collector.batch as batch_mod
+    from shadowd.collector.batch import BadBatch, parse_batch
+    from shadowd.wire import PRODUCER_STATS
+
+    monkeypatch.setattr(batch_mod, "PRODUCER_STATS", tuple(k for k in PRODUCER_STATS if not k.startswith("on_")))
+    stored: list[tuple[int, dict[str, int]]] = []
+    refused: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # the kill-switch poll
+            return httpx.Response(200, json={"id": 1})
+        body = decode_msgpack(request.content)
+        try:
+            parse_batch(body)
+        except BadBatch as e:  # the collector's 422 answer
+            refused.append(e.field)
+            return httpx.Response(422, json={"detail": {"field": e.field, "error": e.message}})
+        stored.append((body["seq"], body.get("producer_stats", {})))
+        return httpx.Response(200, json={"accepted": 1})
+
+    figures = {"device_errors": 0, "on_covered_calls": 7, "on_uncovered_calls": 2}
+    client = CollectorClient("http://collector", transport=httpx.MockTransport(handler))
+    st = Streamer(client, 1, Spool(tmp_path / "spool", 2**20), flush_interval_s=0.05, batch_max=1,
+                  stats=lambda: dict(figures)).start()
+    with caplog.at_level("WARNING", logger="shadowd"):
+        for i in range(3):
+            st.submit(sample(i))
+        assert st.flush(30)
+    st.close()
+    assert refused == ["producer_stats.on_covered_calls", "producer_stats.on_uncovered_calls"], refused
+    assert [seq for seq, _ in stored] == [0, 1, 2] and st.rejected == 0 and st.sent == 3
+    assert all("device_errors" in s and not any(k.startswith("on_") for k in s) for _, s in stored), stored
+    assert st.unknown_fields == {"on_covered_calls", "on_uncovered_calls"}
+    assert caplog.text.count("does not know the producer figure") == 2

@@ -497,7 +497,10 @@ meta[0] = 3  # a batch of three: bucket 4, not covered
 res20.append("cand" if torch.equal(s20(x, w, layer=0, bucket=bk), cand(x, w)) else "base")
 meta[0] = 2
 CAPTURE[0] = False
-out["coverage"] = {"outputs": res20, "bitmap_word": int(ds20.cov[1 * 32 + 4]), "fallback": rt20.fallback}
+ds20.poll()
+out["coverage"] = {"outputs": res20, "bitmap_word": int(ds20.cov[1 * 32 + 4]), "fallback": rt20.fallback,
+                   "on_calls": rt20.on_calls, "device_on_calls": rt20.device_on_calls,
+                   "stats": {k: v for k, v in rt20.producer_stats().items() if k.startswith("on_")}}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -595,6 +598,10 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     cv = r["coverage"]
     assert cv["outputs"] == ["cand", "base", "cand", "cand", "base", "base"] and not cv["fallback"], cv
     assert cv["bitmap_word"] == 1 << 9, cv
+    # counted: the first (eager) call by the host; the replays by the control kernel, reaching the host in the
+    # records (the last one, an uncovered call's sample, carries 3 covered and 3 uncovered replays)
+    assert cv["on_calls"] == [1, 0] and cv["device_on_calls"] == [3, 3], cv
+    assert cv["stats"] == {"on_covered_calls": 4, "on_uncovered_calls": 3}, cv
     fc = r["first_call_captured"]
     assert fc["returned"] and fc["disabled"] and "during graph capture" in fc["reason"] and not fc["device"], fc
 

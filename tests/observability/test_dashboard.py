@@ -143,6 +143,27 @@ def test_producer_legends_name_the_stage_only_above_zero(tmp_path: Any) -> None:
     assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
 
 
+def test_the_on_mode_coverage_panel_is_the_share_of_calls_outside_the_verdict(tmp_path: Any) -> None:
+    """The panel's query, evaluated by promtool: per run, uncovered calls over all on-mode calls of its ranks (two
+    ranks: 30 + 10 uncovered of 100 + 60 covered → 0.2); a run with no on-mode call yet reads 0, not NaN."""
+    promtool = require_tool("promtool")
+    (expr,) = [grafana_to_promql(t["expr"]) for title, t in dashboard_targets()
+               if title == "On mode: calls outside the verdict's shapes"]
+    figures = {("3", "0"): (100, 30), ("3", "1"): (60, 10), ("4", "0"): (0, 0)}
+    series = []
+    for (run, rank), (cov, unc) in figures.items():
+        for metric, v in (("shadowd_producer_on_covered_calls", cov), ("shadowd_producer_on_uncovered_calls", unc)):
+            series.append({"series": f'{metric}{{job="shadowd",instance="c:8787",run="{run}",stage="0",rank="{rank}"}}',
+                           "values": f"{v}x10"})
+    want = [{"labels": '{run="3"}', "value": 0.2}, {"labels": '{run="4"}', "value": 0}]
+    spec = tmp_path / "coverage_test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": series,
+         "promql_expr_test": [{"expr": expr, "eval_time": "5m", "exp_samples": want}]}]}))
+    p = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
+
+
 def test_provisioning_matches_compose() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     mounts = {
