@@ -14,8 +14,8 @@ from shadowd.judge.inputs import RunRollups, StepCounts
 from shadowd.judge.report import bucket_label
 from shadowd.wire import SPEC_MODES
 
-__all__ = ["layer_summary", "list_runs", "load_rollups", "producer_notes", "producers_of", "run_row",
-           "runs_for_metrics", "speculative", "speculative_of", "timing"]
+__all__ = ["layer_summary", "list_runs", "load_rollups", "on_mode_shapes_of", "producer_notes", "producers_of",
+           "run_row", "runs_for_metrics", "speculative", "speculative_of", "timing"]
 
 
 def list_runs(engine: Engine, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
@@ -192,6 +192,14 @@ def speculative_of(producers: list[dict[str, Any]]) -> dict[str, dict[str, float
                 "request_steps": req_steps,
             }
     return out
+
+
+def on_mode_shapes_of(producers: list[dict[str, Any]]) -> dict[str, int]:
+    """On mode's calls over the run's processes (every producer, restarted ones included): on a shape bucket the
+    promotion gate's verdict covers, and on one it does not (the baseline served those); {} before any."""
+    covered = sum(int(p.get("on_covered_calls") or 0) for p in producers)
+    uncovered = sum(int(p.get("on_uncovered_calls") or 0) for p in producers)
+    return {"covered_calls": covered, "uncovered_calls": uncovered} if covered or uncovered else {}
 
 
 def speculative(engine: Engine, run_id: int) -> dict[str, dict[str, float]]:

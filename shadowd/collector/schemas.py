@@ -122,9 +122,13 @@ class RunOut(BaseModel):
     last_ingest_at: float | None
     speculative: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="SGLang's accept length per hook mode (off / validate / on)")
+    on_mode_shapes: dict[str, int] = Field(
+        default_factory=dict, description="on mode's calls on a shape bucket the verdict covers (covered_calls) and "
+        "on one it does not, served by the baseline (uncovered_calls), over the run's processes; {} before any")
 
     @classmethod
-    def of(cls, row: dict[str, Any], speculative: dict[str, dict[str, float]] | None = None) -> RunOut:
+    def of(cls, row: dict[str, Any], speculative: dict[str, dict[str, float]] | None = None,
+           on_mode_shapes: dict[str, int] | None = None) -> RunOut:
         return cls(
             id=row["id"], run_key=row["run_key"], model=row["model"], num_layers=row["num_layers"],
             tp_size=row["tp_size"], gpu_name=row["gpu_name"], gpu_arch=row["gpu_arch"], driver=row["driver"],
@@ -137,7 +141,7 @@ class RunOut(BaseModel):
             base_nonfinite=row["n_base_nonfinite"], exceeded_calls=row["n_exceed"], requests=row["n_requests"],
             oracle_samples=row["n_oracle"], first_sample_ts=row["first_sample_ts"],
             last_sample_ts=row["last_sample_ts"], last_ingest_at=row["last_ingest_at"],
-            speculative=speculative or {},
+            speculative=speculative or {}, on_mode_shapes=on_mode_shapes or {},
         )
 
 

@@ -127,10 +127,6 @@ def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag
             tl.store(dstate_ptr + 3, 1)
         use_cand = use_cand & (~flagged)
         publish = publish | flagged
-    # Under a graph, on mode: the candidate is checked against the baseline on spot-check replays only;
-    # on the others the baseline's work is gated to nothing (run_base 0, read by the gate kernel when
-    # the call site has a baseline gate) and, without a gate, it still runs and every call is checked
-    # before its output is chosen.
     # on mode's shapes, on replays (the host counts eager calls): calls on a covered shape in dstate[4], on one not
     # covered (the baseline serves it) in dstate[5]; every record carries both (shadowd.hook.triton_record)
     if (host_decides == 0) & (mode == 2) & ok & (bs_v > 0):
@@ -138,6 +134,10 @@ def _control_kernel(dctrl_ptr, host_word, dstate_ptr, sstate_ptr, meta_ptr, flag
             tl.store(dstate_ptr + 4, tl.load(dstate_ptr + 4) + 1)
         else:
             tl.store(dstate_ptr + 5, tl.load(dstate_ptr + 5) + 1)
+    # Under a graph, on mode: the candidate is checked against the baseline on spot-check replays only;
+    # on the others the baseline's work is gated to nothing (run_base 0, read by the gate kernel when
+    # the call site has a baseline gate) and, without a gate, it still runs and every call is checked
+    # before its output is chosen.
     run_base = (~use_cand) | publish
     do_stats = publish if GATED else publish | use_cand
     if host_decides != 0:

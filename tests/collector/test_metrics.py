@@ -53,6 +53,9 @@ def test_on_mode_shape_counters_per_rank(db_url, make_client):
     assert post_msgpack(c, run_id, late).status_code == 200
     assert reg.get_sample_value("shadowd_producer_on_covered_calls", _at(run_id, 0)) == 950.0
     assert reg.get_sample_value("shadowd_producer_on_uncovered_calls", _at(run_id, 0)) == 120.0
+    # the run's totals over its processes
+    assert c.get(f"/v1/runs/{run_id}").json()["on_mode_shapes"] == {"covered_calls": 1350, "uncovered_calls": 120}
+    assert c.get(f"/v1/runs/{register(c, run_body(run_key='quiet'))}").json()["on_mode_shapes"] == {}
 
 
 def test_last_ingest_time_survives_a_collector_restart(fresh_sqlite, make_client):

@@ -43,6 +43,7 @@ def test_run_without_evaluation(client: TestClient) -> None:
     page = client.get(f"/?run_id={run_id}").text
     assert "no evaluation yet" in page
     assert "accept length by mode</dt><dd>not reported" in page
+    assert "on-mode calls</dt><dd>no on-mode call" in page
     assert "speed-up</dt><dd>no timed calls yet" in page
     assert 'id="heatmap"' in page and 'id="exceedance"' in page
     assert page.count("<rect") >= 4  # one cell per layer at least
@@ -59,6 +60,17 @@ def test_the_run_section_shows_the_measured_speed_up(client: TestClient) -> None
     speed = (300 * 5000 + 100 * 1300) / (300 * 50 + 100 * 100)
     assert (f"speed-up</dt><dd>{speed:.2f}× · 62.5 / 4075.0 µs per call (candidate / baseline) · 400 timed calls · "
             "lowest 13.00× in bs16-t8-p") in page
+    _assert_self_contained(page)
+
+
+def test_the_run_section_shows_how_much_on_mode_traffic_the_verdict_covers(client: TestClient) -> None:
+    run_id = client.post("/v1/runs", json=run_body("on", num_layers=2, tp_size=2)).json()["id"]
+    for rank, cov, unc in ((0, 3000, 200), (1, 2800, 0)):
+        b = {**make_batch(20, num_layers=2, rank=rank, producer=f"r{rank}"),
+             "producer_stats": {"on_covered_calls": cov, "on_uncovered_calls": unc}}
+        assert client.post(f"/v1/runs/{run_id}/samples", json=b).status_code == 200
+    page = client.get(f"/?run_id={run_id}").text
+    assert "on-mode calls</dt><dd>5,800 on covered shapes · 200 outside them (baseline served, 3.3%)" in page
     _assert_self_contained(page)
 
 

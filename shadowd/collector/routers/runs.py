@@ -35,9 +35,10 @@ async def list_runs(state: State, limit: int = Query(100, ge=1, le=1000),
 
 @router.get("/{run_id}")
 async def get_run(run_id: RunId, state: State) -> RunOut:
-    """One run with its counters and SGLang's accept length per hook mode."""
+    """One run with its counters, SGLang's accept length per hook mode and on mode's calls on covered shapes."""
     row = await run_in_threadpool(queries.run_row, state.engine, run_id)
-    return RunOut.of(row, await run_in_threadpool(queries.speculative, state.engine, run_id))
+    producers = await run_in_threadpool(queries.producers_of, state.engine, run_id)
+    return RunOut.of(row, queries.speculative_of(producers), queries.on_mode_shapes_of(producers))
 
 
 @router.get("/{run_id}/layers")

@@ -221,6 +221,10 @@ def _run_section(run: dict[str, Any], producers: list[dict[str, Any]] | None = N
                  timing: dict[str, Any] | None = None) -> str:
     spec = queries.speculative_of(producers or [])
     accept = " · ".join(f"{m} {v['accept_length']:.2f}" for m, v in spec.items()) or "not reported"
+    shapes = queries.on_mode_shapes_of(producers or [])
+    on_calls = "no on-mode call" if not shapes else (
+        f"{shapes['covered_calls']:,} on covered shapes · {shapes['uncovered_calls']:,} outside them (baseline "
+        f"served, {shapes['uncovered_calls'] / (shapes['covered_calls'] + shapes['uncovered_calls']):.1%})")
     items = [
         ("run", f"{run['id']} · {run['run_key']}"),
         ("model", run["model"]),
@@ -236,6 +240,7 @@ def _run_section(run: dict[str, Any], producers: list[dict[str, Any]] | None = N
         ("last ingest", _utc(run["last_ingest_at"]) if run["last_ingest_at"] else "never"),
         ("kill switch", run["mode_override"] or "none"),
         ("accept length by mode", accept),
+        ("on-mode calls", on_calls),
         ("speed-up", _speedup(timing)),
     ]
     body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(str(v))}</dd>" for k, v in items)
