@@ -73,6 +73,10 @@ class Coverage:
             shapes.add((_index_of_bucket(bs, "batch bucket"), _index_of_bucket(t, "tree bucket"), p))
         return cls(frozenset(shapes))
 
+    def union(self, other: Coverage) -> Coverage:
+        """The shapes covered by either set."""
+        return Coverage(self.shapes | other.shapes)
+
     def covers(self, batch_size: int, draft_tokens: int, prefix_len: int) -> bool:
         """Whether a call of this shape lies in a covered bucket."""
         return shape_index(batch_size, draft_tokens, prefix_len) in self.shapes

@@ -20,7 +20,11 @@ validate. With ``SHADOWD_GATE_RUN=<id>`` the hook enforces the gate itself:
   a call of any other shape (a first 200k-token prefix, a tree or a batch larger than any compared) is served by
   the baseline and shadowed as in validate; a READY report without them keeps the gate held;
 * it stays open for the life of the process (the on-mode run's spot checks and the kill switch watch the
-  candidate from then on); the collector's kill switch still lowers the mode whatever the gate says.
+  candidate from then on); the collector's kill switch still lowers the mode whatever the gate says;
+* once open, the thread keeps asking every :data:`FOLLOW_POLL_S`: a READY verdict that covers more shapes (the
+  validate run kept collecting evidence) widens the set the candidate is served on (the union: a shape once
+  covered by a READY verdict for this build stays covered), on the device too; a verdict that is no longer READY is
+  logged (an error when NOT_READY) and changes nothing — lowering the mode is the kill switch's.
 
 The thread never touches the serving path beyond :meth:`HookRuntime.open_gate`. A collector that is down
 keeps the gate held (retried); a run judged for another deployment, an unknown run or a refused request keep
@@ -40,12 +44,14 @@ from typing import Any
 from shadowd.client import BatchRejected, CollectorError
 from shadowd.hook.coverage import Coverage
 
-__all__ = ["GATE_POLL_S", "IDENTITY", "PromotionGate", "gate_decision", "mismatches"]
+__all__ = ["FOLLOW_POLL_S", "GATE_POLL_S", "IDENTITY", "PromotionGate", "gate_decision", "mismatches"]
 
 log = logging.getLogger("shadowd.hook")
 
 #: seconds between two questions to the collector while the gate is held
 GATE_POLL_S = 10.0
+#: seconds between two questions once it opened (the covered shapes may grow)
+FOLLOW_POLL_S = 60.0
 #: what must be equal between the gate run and this process's run: (label, path into the run's fields)
 IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("candidate fingerprint", ("candidate", "fingerprint")),
@@ -131,12 +137,14 @@ class PromotionGate:
     ``own`` is this process's run registration (what ``POST /v1/runs`` was sent)."""
 
     def __init__(self, rt: Any, client: Any, gate_id: int, own: Mapping[str, Any],
-                 interval_s: float = GATE_POLL_S) -> None:
+                 interval_s: float = GATE_POLL_S, follow_s: float = FOLLOW_POLL_S) -> None:
         self.rt = rt
         self.client = client
         self.gate_id = gate_id
         self.own = dict(own)
         self.interval_s = interval_s
+        self.follow_s = follow_s
+        self.opened = False
         self.done = threading.Event()  # set once the gate opened or can never open for this process
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,6 +177,8 @@ class PromotionGate:
         rt = self.rt
         if opened:
             rt.open_gate(why, coverage)
+            self.opened = True
+            self._state = "open"
             self.done.set()
             return True
         state = state if state is not None else ":".join(why.split(":")[:2])
@@ -182,6 +192,34 @@ class PromotionGate:
             self.done.set()
         return opened
 
+    def follow(self) -> int | None:
+        """Once open: one more question. A READY verdict for this deployment widens the shapes served on to the
+        union with its ``covered_shapes``; returns the buckets added (None: no READY answer, nothing changed)."""
+        try:
+            run = self.client.get_run(self.gate_id)
+            status, report = self.client.readiness(self.gate_id)
+        except CollectorError:
+            return None  # (the set stays; asked again later)
+        ready, why = gate_decision(self.gate_id, run, report, self.own, status)
+        if not ready:
+            state = ":".join(why.split(":")[:2])
+            if state != self._state:
+                level = logging.ERROR if isinstance(report, Mapping) and report.get("verdict") == "NOT_READY" else (
+                    logging.WARNING)
+                log.log(level, "shadowd: promotion gate: %s; the candidate is still served on the shapes the gate "
+                        "opened on (the kill switch lowers the mode)", why)
+                self._state = state
+            return None
+        try:
+            added = self.rt.widen_coverage(Coverage.from_report(report))
+        except ValueError:
+            return None
+        if added:
+            log.warning("shadowd: promotion gate: run %d's verdict covers %d more shape buckets: the candidate is now "
+                        "served on its %s", self.gate_id, added, self.rt.coverage.describe())
+        self._state = "open"
+        return added
+
     def _loop(self, forked: bool = False) -> None:
         if forked:  # (made here, not in the fork handler: the parent's connections are not this process's)
             self.client = self.client.fresh()
@@ -194,7 +232,14 @@ class PromotionGate:
                     self._state = "check failed"
                 self.rt.gate_reason = f"the promotion gate's check failed: {e!r}"
             if self.done.is_set() or self._stop.wait(self.interval_s):
-                return
+                break
+        while self.opened and not self._stop.wait(self.follow_s):
+            try:
+                self.follow()
+            except Exception:  # the set stays as it is; the thread goes on asking
+                if self._state != "follow failed":
+                    log.exception("shadowd: promotion gate: following the verdict failed; the shapes stay as they are")
+                    self._state = "follow failed"
 
     def start(self) -> PromotionGate:
         """Watch in a daemon thread (at once, then every ``interval_s`` until the gate opens or never can)."""

@@ -4,7 +4,8 @@
   from the output's static size (graph-safe), programmatic dependent launch on sm_90+, registers capped so
   that the programs meant to share an SM fit it;
 * the ring record's layout: ``NMETA`` words of metadata (word 11: the record's kind, ``REC_*``; word 12: the
-  candidate's error flag), then the raw statistics vector of ``shadowd.hook.diffstats``;
+  candidate's error flag; words 13 and 14: the on-mode replays on covered / uncovered shapes so far), then the raw
+  statistics vector of ``shadowd.hook.diffstats``;
 * :func:`gated_copy` — the work-size copies of baseline and candidate gates (:func:`merged_gate_launches`: both
   sides' in one launch);
 * :func:`fused_raw_stats` — the raw vector of two device tensors (tests, benches).

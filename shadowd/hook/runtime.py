@@ -146,6 +146,23 @@ class HookRuntime:
             self.gate_reason = None
             self._apply_mode()
 
+    def widen_coverage(self, coverage: Any) -> int:
+        """A later READY verdict of the gate run (:meth:`shadowd.hook.gate.PromotionGate.follow`): the shapes served on
+        become the union with ``coverage`` — on the device first, then here; never fewer (a shape a READY verdict for
+        this build covered stays covered). Returns the buckets added (0 without an opened set: every shape is then
+        within the verdict's reach already, the static limits aside)."""
+        with self._mode_lock:
+            cur = self.coverage
+            if cur is None or self.gate_held:
+                return 0
+            union = cur.union(coverage)
+            added = len(union.shapes) - len(cur.shapes)
+            if added:
+                if self._device is not None:
+                    self._device.push_coverage(union)
+                self.coverage = union
+            return added
+
     def start_gate(self, client: Any, own: dict[str, Any]) -> Any:
         """Watch the promotion gate (on mode with ``SHADOWD_GATE_RUN``) with a client of its own, once this
         process's run is registered (``own``: what the registration sent); returns the watcher, or None when no

@@ -15,7 +15,7 @@ from shadowd.client import CollectorClient
 from shadowd.hook.config import HookConfig
 from shadowd.hook.gate import PromotionGate, gate_decision, mismatches
 from shadowd.hook.site import Bucket, ShadowSite
-from tests.hook.conftest import RUN, Collector, base_fn, cand_fn, inputs, make_runtime, run_body
+from tests.hook.conftest import RUN, Collector, base_fn, cand_fn, inputs, make_runtime, run_body, wait_for
 
 GATE = 7
 OWN = dict(RUN, run_key="on-run")
@@ -162,6 +162,58 @@ def test_on_mode_serves_the_candidate_only_on_the_shapes_the_verdict_covered(cap
     rt.fall_back("test")  # the baseline serves every call now: no on-mode shape to count
     site(x, w, layer=0, bucket=Bucket(batch_size=1, draft_tokens=16, prefix_len=5000))
     assert rt.on_shape_calls() == (1, 3)
+
+
+def test_once_open_the_gate_follows_the_verdict_and_serves_the_shapes_it_comes_to_cover(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The validate run keeps collecting evidence after the gate opened: a later READY verdict that covers more
+    shapes widens the set served on (a shape once covered stays covered, even if a later verdict leaves it out); a
+    verdict that is no longer READY changes nothing and says so, once."""
+    rt, _sink = gated_runtime()
+    site = ShadowSite("s", base_fn, cand_fn, runtime=rt)
+    x, w = inputs()
+    fake = FakeCollector("READY")
+    fake.shapes = [[1, 16, 13]]
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN)
+    assert gate.check() is True and gate.opened
+    seen, longer = Bucket(batch_size=1, draft_tokens=16, prefix_len=5000), Bucket(batch_size=1, draft_tokens=16,
+                                                                                  prefix_len=20_000)
+
+    def served(bucket: Bucket) -> str:
+        site(x, w, layer=0, bucket=bucket)  # (the site's first sight of an output shape is checked: call twice)
+        out = site(x, w, layer=0, bucket=bucket)
+        return "cand" if torch.equal(out, cand_fn(x, w)) else "base" if torch.equal(out, base_fn(x, w)) else "?"
+
+    assert (served(seen), served(longer)) == ("cand", "base")
+    assert gate.follow() == 0, "the same verdict: nothing to add"
+    fake.shapes = [[1, 16, 15]]  # prefixes of 16384-32767 tokens validated since (the earlier bucket left out)
+    with caplog.at_level(logging.WARNING, logger="shadowd.hook"):
+        assert gate.follow() == 1
+    assert "covers 1 more shape buckets: the candidate is now served on its 2 shape buckets" in caplog.text
+    assert (served(seen), served(longer)) == ("cand", "cand")
+    fake.verdict = "NOT_READY"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shadowd.hook"):
+        assert gate.follow() is None and gate.follow() is None
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "the candidate is still served on the shapes the gate opened on" in errors[0].message
+    assert served(longer) == "cand" and rt.mode == "on"
+    fake.down = True
+    assert gate.follow() is None and len(rt.coverage.shapes) == 2
+
+
+def test_the_watcher_thread_keeps_following_after_the_gate_opened() -> None:
+    rt, _sink = gated_runtime()
+    fake = FakeCollector("READY")
+    fake.shapes = [[1, 16, 13]]
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN, interval_s=0.01, follow_s=0.01).start()
+    try:
+        assert gate.done.wait(10) and gate.opened
+        fake.shapes = [[1, 16, 13], [2, 16, 13]]
+        assert wait_for(lambda: len(rt.coverage.shapes) == 2, 10)
+    finally:
+        gate.stop(5)
+    assert gate._thread is not None and not gate._thread.is_alive()
 
 
 def test_a_ready_verdict_that_names_no_shapes_keeps_the_gate_held() -> None:

@@ -496,9 +496,16 @@ meta[2] = 300
 meta[0] = 3  # a batch of three: bucket 4, not covered
 res20.append("cand" if torch.equal(s20(x, w, layer=0, bucket=bk), cand(x, w)) else "base")
 meta[0] = 2
+# a later READY verdict covers prefixes of 512-1023 tokens too: the bitmap on the device widens, the next replay of
+# a 600-token prefix gets the candidate
+widened = rt20.widen_coverage(Coverage.from_buckets([[2, 16, 10]]))
+meta[2] = 600
+res20.append("cand" if torch.equal(s20(x, w, layer=0, bucket=bk), cand(x, w)) else "base")
+meta[2] = 300
 CAPTURE[0] = False
 ds20.poll()
 out["coverage"] = {"outputs": res20, "bitmap_word": int(ds20.cov[1 * 32 + 4]), "fallback": rt20.fallback,
+                   "widened": widened,
                    "on_calls": rt20.on_calls, "device_on_calls": rt20.device_on_calls,
                    "stats": {k: v for k, v in rt20.producer_stats().items() if k.startswith("on_")}}
 print("RESULT " + json.dumps(out))
@@ -596,10 +603,11 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     # on mode serves the candidate only on the verdict's shapes: prefixes 256-511 with trees of 9-16 nodes and
     # batches of two; 600 tokens (bucket 10), 255 (bucket 8) and a batch of three are served by the baseline
     cv = r["coverage"]
-    assert cv["outputs"] == ["cand", "base", "cand", "cand", "base", "base"] and not cv["fallback"], cv
-    assert cv["bitmap_word"] == 1 << 9, cv
+    assert cv["outputs"] == ["cand", "base", "cand", "cand", "base", "base", "cand"] and not cv["fallback"], cv
+    assert cv["widened"] == 1 and cv["bitmap_word"] == (1 << 9) | (1 << 10), cv
     # counted: the first (eager) call by the host; the replays by the control kernel, reaching the host in the
-    # records (the last one, an uncovered call's sample, carries 3 covered and 3 uncovered replays)
+    # records (the last one drained, an uncovered call's sample, carries 3 covered and 3 uncovered replays; the
+    # widened replay after it, covered and no spot check, publishes nothing)
     assert cv["on_calls"] == [1, 0] and cv["device_on_calls"] == [3, 3], cv
     assert cv["stats"] == {"on_covered_calls": 4, "on_uncovered_calls": 3}, cv
     fc = r["first_call_captured"]
