@@ -224,6 +224,16 @@ class VerifyShadow:
         return _make_bucket(q.shape[0], heads, forward_batch, md, site, layer_id, capturing)
 
 
+def _original_size(forward_batch: Any, bs: int, rows: int) -> tuple[int, int]:
+    """(requests, token rows) of an eager batch before SGLang padded it for data-parallel attention (its
+    ``_original_batch_size`` / ``_original_num_tokens``, set by ``prepare_mlp_sync_batch``); else (bs, rows)."""
+    ob = getattr(forward_batch, "_original_batch_size", None)
+    on = getattr(forward_batch, "_original_num_tokens", None)
+    real_bs = ob if isinstance(ob, int) and 0 <= ob < bs else bs
+    real_rows = on if isinstance(on, int) and 0 <= on < rows else rows
+    return real_bs, real_rows
+
+
 def _make_bucket(rows: int, heads: int, forward_batch: Any, md: Any, site: ShadowSite, layer_id: int,
                  capturing: bool) -> Bucket:
     """The call's shape bucket. Eagerly from host values; inside a graph capture from device memory
@@ -243,10 +253,13 @@ def _make_bucket(rows: int, heads: int, forward_batch: Any, md: Any, site: Shado
             forward_batch._shadowd_meta = meta
         return Bucket(batch_size=bs, draft_tokens=draft, prefix_len=0, heads=heads, valid_rows=meta[3],
                       meta=meta[:3])
+    # an eager batch padded for data-parallel attention (ForwardBatch.prepare_mlp_sync_batch) keeps its real size
+    real_bs, real_rows = _original_size(forward_batch, bs, rows)
     prefix = 0
     seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-    if seq_cpu is not None and len(seq_cpu):
-        prefix = int(max(seq_cpu[:bs].tolist()))
-    bucket = Bucket(batch_size=bs, draft_tokens=draft, prefix_len=prefix, heads=heads, valid_rows=rows)
+    if seq_cpu is not None and len(seq_cpu) and real_bs:
+        prefix = int(max(seq_cpu[:real_bs].tolist()))
+    bucket = Bucket(batch_size=max(real_bs, 1), draft_tokens=draft, prefix_len=prefix, heads=heads,
+                    valid_rows=real_rows)
     forward_batch._shadowd_bucket = (md, rows, heads, bucket)
     return bucket

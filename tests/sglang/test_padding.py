@@ -101,3 +101,20 @@ def test_requests_of_different_sizes_count_by_their_first_row() -> None:
 def test_bad_sizes_are_refused_by_name(bs: int, rows: int) -> None:
     with pytest.raises(ValueError, match="bs must be >= 1 and rows >= 0"):
         graph_shape(torch.arange(3), torch.arange(3), None, bs, 1, rows)
+
+
+def test_an_eager_batch_padded_for_data_parallel_attention_keeps_its_real_size(sgl: Any) -> None:
+    # ForwardBatch.prepare_mlp_sync_batch: it notes the real batch size, then pads inputs to the DP group's size
+    # (SGLang's own _pad_inputs_to_size, which notes the real token count)
+    from types import SimpleNamespace
+
+    case = make_case(sgl, prefix=(7, 13), draft=4)
+    fb = case.forward_batch
+    fb.positions = torch.arange(8)  # (a verify batch's token positions; the builder leaves them out)
+    fb._original_batch_size = fb.batch_size
+    fb._pad_inputs_to_size(SimpleNamespace(attn_backend=case.backend), 16, 4)
+    fb.batch_size = 4
+    assert fb.out_cache_loc.shape[0] == 16 and fb._original_num_tokens == 8
+    site = ShadowSite("s", lambda *a: None, lambda *a: None, first_layer=0)
+    b = _make_bucket(16, 2, fb, case.backend.forward_metadata, site, 0, capturing=False)
+    assert (b.batch_size, b.prefix_len, b.valid_rows) == (2, 13, 8)
