@@ -243,10 +243,8 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
         return _baseline(site, args, kwargs, p)
     host_decides, do_stats, use_cand = 1, 1, 0
     if not capturing:
-        covered = code == 2 and rt.covered(b.batch_size, b.draft_tokens, b.prefix_len)
-        if code == 2:  # (graph replays are counted by the control kernel)
-            rt.count_on(covered)
-        if covered:
+        # (counted here; graph replays are counted by the control kernel)
+        if code == 2 and rt.on_mode_covered(b.batch_size, b.draft_tokens, b.prefix_len):
             # (an output key not seen on a compared call yet — the first call — is checked)
             t0 = first_tensor(args)
             want = site.out_metas.get(key_of(t0))

@@ -131,6 +131,12 @@ def gate_decision(gate_id: int, gate_run: Any, report: Any, own: Mapping[str, An
     return True, f"run {gate_id} is READY for candidate {mine}"
 
 
+def _state_of(why: str) -> str:
+    # what a line about the gate says, in short: the verdict and its first failing criterion (up to the second
+    # colon), not the numbers after it, which move with every evaluation of a run still collecting evidence
+    return ":".join(why.split(":")[:2])
+
+
 class PromotionGate:
     """Watches run ``gate_id`` at the collector (``client``) and opens ``rt``'s gate (see the module docstring).
 
@@ -154,14 +160,12 @@ class PromotionGate:
         """One question to the collector; applies the answer. Returns :func:`gate_decision`'s first value (None
         also when the collector could not be asked)."""
         try:
-            run = self.client.get_run(self.gate_id)
-            status, report = self.client.readiness(self.gate_id)
+            opened, why, report = self._ask()
         except BatchRejected as e:
             return self._settle(False, f"the collector refused the gate's questions about run {self.gate_id} ({e})")
         except CollectorError as e:
             return self._settle(None, f"the collector could not be asked about run {self.gate_id} ({e})",
                                 "unreachable")
-        opened, why = gate_decision(self.gate_id, run, report, self.own, status)
         coverage = None
         if opened:
             try:  # the verdict speaks for the shapes it saw: on mode serves the candidate on those only
@@ -169,6 +173,12 @@ class PromotionGate:
             except ValueError as e:
                 return self._settle(None, f"run {self.gate_id} is READY, but {e}")
         return self._settle(opened, why, coverage=coverage)
+
+    def _ask(self) -> tuple[bool | None, str, Any]:
+        """The collector's run ``gate_id`` and its stored verdict: :func:`gate_decision`'s answer, and the report."""
+        run = self.client.get_run(self.gate_id)
+        status, report = self.client.readiness(self.gate_id)
+        return (*gate_decision(self.gate_id, run, report, self.own, status), report)
 
     def _settle(self, opened: bool | None, why: str, state: str | None = None, coverage: Any = None) -> bool | None:
         """Apply a decision. One log line per *state* of a held gate (``state``; by default ``why`` up to its second
@@ -181,7 +191,7 @@ class PromotionGate:
             self._state = "open"
             self.done.set()
             return True
-        state = state if state is not None else ":".join(why.split(":")[:2])
+        state = state if state is not None else _state_of(why)
         if state != self._state:
             level = logging.ERROR if opened is False else logging.WARNING
             log.log(level, "shadowd: promotion gate held (the baseline is served)%s: %s",
@@ -196,13 +206,11 @@ class PromotionGate:
         """Once open: one more question. A READY verdict for this deployment widens the shapes served on to the
         union with its ``covered_shapes``; returns the buckets added (None: no READY answer, nothing changed)."""
         try:
-            run = self.client.get_run(self.gate_id)
-            status, report = self.client.readiness(self.gate_id)
+            ready, why, report = self._ask()
         except CollectorError:
             return None  # (the set stays; asked again later)
-        ready, why = gate_decision(self.gate_id, run, report, self.own, status)
         if not ready:
-            state = ":".join(why.split(":")[:2])
+            state = _state_of(why)
             if state != self._state:
                 level = logging.ERROR if isinstance(report, Mapping) and report.get("verdict") == "NOT_READY" else (
                     logging.WARNING)

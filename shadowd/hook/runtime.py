@@ -233,9 +233,11 @@ class HookRuntime:
                 "device_errors": int(self.device_errors), "on_covered_calls": covered,
                 "on_uncovered_calls": uncovered}
 
-    def count_on(self, covered: bool) -> None:
-        """An eager on-mode call (neither fallen back nor disabled) on a shape covered or not (:meth:`covered`)."""
+    def on_mode_covered(self, batch_size: int, draft_tokens: int, prefix_len: int) -> bool:
+        """:meth:`covered`, for an eager on-mode call (neither fallen back nor disabled), which it counts."""
+        covered = self.covered(batch_size, draft_tokens, prefix_len)
         self.on_calls[0 if covered else 1] += 1
+        return covered
 
     def note_device_on(self, covered: int, uncovered: int) -> None:
         """The control kernel's counts of on-mode graph replays, as a drained record carries them (cumulative)."""

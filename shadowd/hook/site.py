@@ -199,10 +199,7 @@ class ShadowSite:
             return device_call(self, args, kwargs, layer, b, advance)
         step = rt.step
         blocked = rt.disabled or rt.fallback
-        covered = code == 2 and not blocked and rt.covered(b.batch_size, b.draft_tokens, b.prefix_len)
-        if code == 2 and not blocked:
-            rt.count_on(covered)
-        if covered:
+        if code == 2 and not blocked and rt.on_mode_covered(b.batch_size, b.draft_tokens, b.prefix_len):
             t0 = first_tensor(args)
             want = self.out_metas.get(key_of(t0))
             if want is not None and not rt.spot_checked(step):

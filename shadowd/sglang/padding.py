@@ -48,7 +48,10 @@ def graph_shape(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, out_cache_loc:
     if out_cache_loc is None or rows == 0:
         meta[0:1].fill_(bs if rows else 0)
         meta[3:4].fill_(rows)
-        meta[2:3] = lens.amax(dim=0, keepdim=True) if rows else torch.zeros_like(meta[2:3])
+        if rows:
+            meta[2:3] = lens.amax(dim=0, keepdim=True)
+        else:
+            meta[2:3].fill_(0)
         return meta
     loc = out_cache_loc[:rows]
     real_tok = loc != 0
