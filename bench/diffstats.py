@@ -58,9 +58,11 @@ SHAPES = ((16, 8, 512), (64, 16, 512), (128, 16, 512), (128, 32, 512), (256, 32,
           (1024, 64, 512))
 #: launch options tried per call under a graph on the small outputs (default tile): the first tile loaded
 #: before the decision word (spec), programmatic dependent launch (pdl: each call's launch overlaps the
-#: previous kernel), and publish (the record's sequence number behind a system-scope fence, as the hook does)
+#: previous kernel), publish (the record's sequence number behind a system-scope fence, as the hook does), and the
+#: fast pass's running state per element or per row (``launch_stats``' ``ew``)
 LAUNCH_VARIANTS = {"spec": {"spec": True}, "pdl": {"pdl": True}, "spec+pdl": {"spec": True, "pdl": True},
-                   "publish": {"publish": True}}
+                   "publish": {"publish": True}, "per-element state": {"ew": True},
+                   "per-row state": {"ew": False}}
 HIST_NAMES = {0: "off", 1: "tl.histogram", 2: "warp ballots", 3: "shared-memory columns (red.shared)"}
 
 
@@ -140,6 +142,8 @@ def main() -> int:
     ap.add_argument("--tiles", metavar="B,W,P", nargs="+", default=None,
                     help="with --latency-only: also time these tiles (elements per tile, warps, programs per SM) "
                          "per call under a graph, each with the histogram and without it")
+    ap.add_argument("--launch-options", action="store_true",
+                    help="with --latency-only: also time the launch options (LAUNCH_VARIANTS) up to 2^21 elements")
     ap.add_argument("--shadowd-from", metavar="DIR", default=None,
                     help="import shadowd from DIR (another revision's tree) instead of this repo")
     args = ap.parse_args()
@@ -221,7 +225,7 @@ def stats_benchmarks(res: dict, args: argparse.Namespace, dev: torch.device, cop
                     lambda c=c, b=b, tile=tile, mode=mode: [st(c, b, tile, True, mode) for _ in range(CALLS_PER_GRAPH)]
                 ) / CALLS_PER_GRAPH
         per_launch = {}
-        if b.numel() <= 2**21 and not args.latency_only:
+        if b.numel() <= 2**21 and (args.launch_options or not args.latency_only):
             for name, kw in LAUNCH_VARIANTS.items():
                 try:
                     tv = graph_time(lambda c=c, b=b, kw=kw: [st(c, b, **kw) for _ in range(CALLS_PER_GRAPH)])

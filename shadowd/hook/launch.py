@@ -115,7 +115,8 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                  hard_scaled: float = 0.25, hard_rel_l2: float = 0.1, site_id: int = 0,
                  publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True,
                  hist_mode: int | None = None, spec: bool | None = None, pdl: bool | None = None,
-                 kind: int = REC_MAIN, stamp: bool = False, cand_flag: torch.Tensor | None = None) -> Any:
+                 kind: int = REC_MAIN, stamp: bool = False, cand_flag: torch.Tensor | None = None,
+                 ew: bool | None = None) -> Any:
     """Launch the statistics kernel (one launch; no sync, no allocation when inputs are contiguous).
 
     Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
@@ -124,7 +125,9 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) and ``spec`` (load the first tile before the
     decision word; default: outputs up to SPEC_NUMEL elements launched without PDL) and ``pdl`` (programmatic
     dependent launch; default: :func:`pdl_supported`) are benchmark knobs; the hook uses the defaults.
-    ``kind`` goes into the record's word 11 (``REC_*``: what the record compares). ``stamp``: the record's
+    ``ew`` (default: where a thread may hold 255 registers) keeps the fast pass's sums and maxima per element,
+    reduced to rows once (fewer instructions per element, ~80 more registers per thread). ``kind`` goes into the
+    record's word 11 (``REC_*``: what the record compares). ``stamp``: the record's
     candidate time ends at this kernel's start (global timer, read after the PDL wait) instead of at the
     stamp kernel's ``sstate[8]`` — one launch fewer per call where the candidate directly precedes it.
     ``cand_flag``: the candidate's own device error word (int32, >= 1 element, on the outputs' device: the
@@ -156,6 +159,7 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     # (allocated per warp in steps of 8 per thread; 255, the most a thread can address, when the share allows 256)
     share = REGS_PER_SM // (warps * 32 * per_sm)
     opts: dict[str, Any] = {} if _INTERPRET else {"maxnreg": 255 if share >= 256 else share // 8 * 8}
+    ew = share >= 256 if ew is None else ew
     pdl = pdl_supported(c.device) if pdl is None else (pdl and not _INTERPRET)
     if pdl:
         opts["launch_pdl"] = True
@@ -168,7 +172,7 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                            HAS_VALID=has_valid, HAS_FLAG=has_flag, BLOCK=block, VEC=vec,
                            HIST=mode, PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
                            SPEC=spec, POS=n <= POS_NUMEL,
-                           PDL=pdl, ONE=nprog * block >= n, STAMP=stamp and not _INTERPRET, num_warps=warps,
+                           PDL=pdl, ONE=nprog * block >= n, STAMP=stamp and not _INTERPRET, EW=ew, num_warps=warps,
                            **opts)
 
 
@@ -244,9 +248,10 @@ def pdl_options(pdl: bool) -> dict[str, Any]:
 
 
 def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = None, *,
-                    tile: tuple[int, int, int] | None = None, hist_mode: int | None = None) -> torch.Tensor:
+                    tile: tuple[int, int, int] | None = None, hist_mode: int | None = None,
+                    ew: bool | None = None) -> torch.Tensor:
     """The raw statistics vector (device float64[NRAW]) of the fused kernels; for tests and benches
-    (``tile`` and ``hist_mode`` as in :func:`launch_stats`)."""
+    (``tile``, ``hist_mode`` and ``ew`` as in :func:`launch_stats`)."""
     dev = base.device
     sstate = torch.zeros(16, dtype=torch.int64, device=dev)
     sstate[0] = 1  # do_stats
@@ -255,5 +260,5 @@ def fused_raw_stats(cand: torch.Tensor, base: torch.Tensor, valid_rows: Any = No
     launch_stats(cand, base, new_accumulator(dev), rec,
                  torch.zeros(1, dtype=torch.int64, device=dev), sstate,
                  torch.zeros(8, dtype=torch.int64, device=dev), valid_rows=valid_rows, publish=False,
-                 tile=tile, hist_mode=hist_mode)
+                 tile=tile, hist_mode=hist_mode, ew=ew)
     return rec[0, NMETA:]

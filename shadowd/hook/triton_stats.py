@@ -6,11 +6,13 @@ One launch per sampled call, no host synchronisation, no allocation (:func:`_sta
 1. every program makes a grid-stride pass over its tiles of both outputs (each read once, in its own
    dtype, widened to fp32). A tile is [ROWS, VEC] with one 16-byte vector per row, so each thread owns
    whole rows and the running sums and maxima are per row (few registers, vectorised loads, the next
-   tile loaded before the current one is reduced). The common case — every value finite — takes a
-   fast path without masks or non-finite bookkeeping; a NaN / Inf anywhere in the program's tiles makes
-   Σ|d| non-finite and the program redoes its tiles exactly (counts per side, candidate-only and
-   baseline-only positions). The log2 histogram is counted per thread in shared memory (or by warp
-   ballots, or by ``tl.histogram`` in the interpreter: ``shadowd.hook.triton_hist``).
+   tile loaded before the current one is reduced) — or, where a thread may hold 255 registers, per
+   element, reduced to rows once after the last tile (``EW``: no reduction tree per tile). The common
+   case — every value finite — takes a fast path without masks or non-finite bookkeeping; a NaN / Inf
+   anywhere in the program's tiles makes Σ|d| non-finite and the program redoes its tiles exactly
+   (counts per side, candidate-only and baseline-only positions). The log2 histogram is counted per
+   thread in shared memory (or by warp ballots, or by ``tl.histogram`` in the interpreter:
+   ``shadowd.hook.triton_hist``).
 2. every program folds its partials into the call site's accumulator row with device-scope atomics
    (fp64 sums, integer counts, maxima as bit patterns, max |d| and its first position as one int64
    key; the row's layout is in ``shadowd.hook.triton_record``), reads the few words the record needs
@@ -64,7 +66,8 @@ TINY, HIST_BINS = tl.constexpr(TINY), tl.constexpr(HIST_BINS)
 
 @triton.jit
 def _fast_update(c, b, lane, cols, rem, t, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb,
-                 TAIL: tl.constexpr, HIST: tl.constexpr, NW: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr):
+                 TAIL: tl.constexpr, HIST: tl.constexpr, NW: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr,
+                 EW: tl.constexpr):
     # One [ROWS, VEC] tile, every value assumed finite: each thread owns whole rows of VEC contiguous
     # elements, so the axis-1 reductions stay inside the thread and the running state is per row.
     # ``lane`` indexes the tile; ``rem`` real elements remain from its start (the tail tile is partial).
@@ -83,12 +86,20 @@ def _fast_update(c, b, lane, cols, rem, t, best, best_t, s_abs, s_d2, s_b2, s_c2
         best_t = tl.where(better, t * vec + col, best_t)
     else:
         best_t = tl.where(better, t, best_t)
-    s_abs += tl.sum(d, axis=1)
-    s_d2 += tl.sum(d * d, axis=1)
-    s_b2 += tl.sum(b * b, axis=1)
-    s_c2 += tl.sum(c * c, axis=1)
-    m_rel = tl.maximum(m_rel, tl.max(_ratio(d, tl.maximum(ab, TINY), ASM), axis=1))
-    m_b = tl.maximum(m_b, tl.max(ab, axis=1))
+    if EW:  # per element ([ROWS, VEC]): one FFMA / FMNMX per element, no tree per tile
+        s_abs += d
+        s_d2 += d * d
+        s_b2 += b * b
+        s_c2 += c * c
+        m_rel = tl.maximum(m_rel, _ratio(d, tl.maximum(ab, TINY), ASM))
+        m_b = tl.maximum(m_b, ab)
+    else:
+        s_abs += tl.sum(d, axis=1)
+        s_d2 += tl.sum(d * d, axis=1)
+        s_b2 += tl.sum(b * b, axis=1)
+        s_c2 += tl.sum(c * c, axis=1)
+        m_rel = tl.maximum(m_rel, tl.max(_ratio(d, tl.maximum(ab, TINY), ASM), axis=1))
+        m_b = tl.maximum(m_b, tl.max(ab, axis=1))
     if HIST:
         ha, hb = hist_add_fast(d, lane, rem, ha, hb, TAIL, HIST, NW)
     return best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb
@@ -136,6 +147,13 @@ def _row_state(ROWS: tl.constexpr):
 
 
 @triton.jit
+def _element_state(ROWS: tl.constexpr, VEC: tl.constexpr):
+    # the fast pass's running sums (Σ|d|, Σd², Σb², Σc²) and maxima (rel |d|, |b|) per element of a tile (EW)
+    z = tl.zeros([ROWS, VEC], tl.float32)
+    return z, z, z, z, z, z
+
+
+@triton.jit
 def _fold(k, a, d2, b2, c2, r, m, k2, a2, d22, b22, c22, r2, m2):
     # the combine of :func:`_program_totals`: a max, four sums, two maxima
     return tl.maximum(k, k2), a + a2, d2 + d22, b2 + b22, c2 + c22, tl.maximum(r, r2), tl.maximum(m, m2)
@@ -173,16 +191,20 @@ def _full_tile(c_ptr, b_ptr, t, bound, BLOCK: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.constexpr, VEC: tl.constexpr,
-               HIST: tl.constexpr, NW: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr, ONE: tl.constexpr):
+               HIST: tl.constexpr, NW: tl.constexpr, POS: tl.constexpr, ASM: tl.constexpr, ONE: tl.constexpr,
+               EW: tl.constexpr):
     # The common case, every value finite: no masks on full tiles (vectorised loads, the next tile
     # loaded before the current one is reduced), no non-finite bookkeeping. A NaN or Inf anywhere (or
     # an overflowing |d|) makes Σ|d| non-finite, and the caller then redoes the program exactly.
     # (c_nx, b_nx): the first tile (:func:`_full_tile`); (ha, hb): the histogram state (``hist_init``).
     # ONE: the grid covers the output, so a program has at most one tile: no loop and no next tile held
-    # in registers (the latency path of per-layer outputs).
+    # in registers (the latency path of per-layer outputs). EW: the sums and maxima are kept per element and
+    # reduced to rows once at the end (fewer instructions per element; needs ~80 more registers per thread).
     ROWS: tl.constexpr = BLOCK // VEC
     lane, rows, cols = _tile_lanes(BLOCK, VEC)
     best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b = _row_state(ROWS)
+    if EW:
+        s_abs, s_d2, s_b2, s_c2, m_rel, m_b = _element_state(ROWS, VEC)
     # addresses: one scalar base per tile plus the tile's (constant) int32 lane offsets
     nfull = (n // BLOCK).to(tl.int32)
     t = pid
@@ -190,7 +212,7 @@ def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.conste
         if t < nfull:
             best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
                 c_nx.to(tl.float32), b_nx.to(tl.float32), lane, cols, BLOCK, t, best, best_t, s_abs, s_d2, s_b2,
-                s_c2, m_rel, m_b, ha, hb, False, HIST, NW, POS, ASM)
+                s_c2, m_rel, m_b, ha, hb, False, HIST, NW, POS, ASM, EW)
     else:
         while t < nfull:
             c = c_nx.to(tl.float32)
@@ -200,7 +222,7 @@ def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.conste
             c_nx, b_nx = _full_tile(c_ptr, b_ptr, t, n, BLOCK, VEC)
             best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
                 c, b, lane, cols, BLOCK, tt, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, False, HIST, NW,
-                POS, ASM)
+                POS, ASM, EW)
     if nfull % nprog == pid:  # noqa: SIM102 - the partial last tile, if any, is the next program's
         if nfull.to(tl.int64) * BLOCK < n:
             base = nfull.to(tl.int64) * BLOCK
@@ -210,7 +232,7 @@ def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.conste
             b = tl.load(b_ptr + base + lane, mask=m, other=0.0).to(tl.float32)
             best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb = _fast_update(
                 c, b, lane, cols, rem, nfull, best, best_t, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, ha, hb, True, HIST,
-                NW, POS, ASM)
+                NW, POS, ASM, EW)
     # (max |d|, its first flat position) as int64 keys per row, reduced by the caller: from the rows'
     # first maxima (POS, small outputs: no second read on the latency path) or, found by re-reading the
     # vectors that hold them, the program's one key in every row
@@ -219,6 +241,10 @@ def _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog, n, BLOCK: tl.conste
     else:
         top, pos = _first_max(c_ptr, b_ptr, best, best_t, n, rows, cols, False, BLOCK, VEC)
         keys = tl.full([ROWS], _key(top, pos), tl.int64)
+    if EW:  # the per-element state to rows, once
+        s_abs, s_d2 = tl.sum(s_abs, axis=1), tl.sum(s_d2, axis=1)
+        s_b2, s_c2 = tl.sum(s_b2, axis=1), tl.sum(s_c2, axis=1)
+        m_rel, m_b = tl.max(m_rel, axis=1), tl.max(m_b, axis=1)
     return keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist_final(ha, hb, lane, HIST, NW)
 
 
@@ -302,7 +328,7 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
                   HIST: tl.constexpr,
                   PUBLISH: tl.constexpr, GPU: tl.constexpr, NMETA: tl.constexpr, NW: tl.constexpr,
                   SPEC: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr, ONE: tl.constexpr,
-                  STAMP: tl.constexpr):
+                  STAMP: tl.constexpr, EW: tl.constexpr):
     # Phase 1 (every program of a sampled call): a grid-stride pass over its tiles of the real elements
     # (their count read from device memory): fp32 per-row sums and maxima, a per-program log2 histogram.
     # With PDL, what comes before the wait overlaps the previous kernel: the histogram's shared memory is
@@ -331,7 +357,7 @@ def _stats_kernel(c_ptr, b_ptr, acc_ptr, accf_ptr, n_static, valid_ptr, row_nume
         if not SPEC:
             c_nx, b_nx = _full_tile(c_ptr, b_ptr, pid, n, BLOCK, VEC)
         keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b, hist = _fast_pass(c_ptr, b_ptr, c_nx, b_nx, ha, hb, pid, nprog,
-                                                                     n, BLOCK, VEC, HIST, NW, POS, GPU, ONE)
+                                                                     n, BLOCK, VEC, HIST, NW, POS, GPU, ONE, EW)
         key, sums, rel, outs = _program_totals(keys, s_abs, s_d2, s_b2, s_c2, m_rel, m_b)
         counts = tl.zeros([8], tl.int64)
         # a non-finite value in this program's tiles (or |b| >= 2^64: Σb² overflows): redo exactly

@@ -74,6 +74,18 @@ TILE_MODES = [((4096, 8, 2), 3), ((1024, 4, 4), 3), ((2048, 8, 2), 3), ((512, 1,
 def test_gpu_every_tile_and_histogram_mode_match(tile: tuple[int, int, int], hist_mode: int) -> None:
     """Every statistic, the histogram included, is the same for every tile shape and histogram mode the
     bench tries: the fast path (all finite) and the exact redo (NaN / Inf in some programs' tiles)."""
+    _check_tile(tile, hist_mode, None)
+
+
+@pytest.mark.parametrize("tile", [(2048, 4, 1), (2048, 4, 2), (1024, 4, 4), (4096, 8, 2)])
+@pytest.mark.parametrize("ew", [True, False])
+def test_gpu_fast_pass_state_per_element_and_per_row_match(tile: tuple[int, int, int], ew: bool) -> None:
+    """The fast pass's running sums and maxima kept per element (the default where registers allow) or per
+    row give the same statistics, on the tiles whose default is either."""
+    _check_tile(tile, 3, ew)
+
+
+def _check_tile(tile: tuple[int, int, int], hist_mode: int, ew: bool | None) -> None:
     from shadowd.hook.device import fused_raw_stats
 
     g = torch.Generator().manual_seed(tile[0] + hist_mode)
@@ -86,7 +98,7 @@ def test_gpu_every_tile_and_histogram_mode_match(tile: tuple[int, int, int], his
         if planted:
             plant(bb, g, 4, float("nan"))
             plant(cc, g, 3, float("inf"))
-        raw = fused_raw_stats(cc.cuda(), bb.cuda(), tile=tile, hist_mode=hist_mode)
+        raw = fused_raw_stats(cc.cuda(), bb.cuda(), tile=tile, hist_mode=hist_mode, ew=ew)
         torch.cuda.synchronize()
         got = finalize(raw.cpu().tolist())
         ref = stats_torch(cc, bb)

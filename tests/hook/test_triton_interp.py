@@ -62,16 +62,18 @@ got2, ref2 = finalize(dev.fused_raw_stats(c2, b).tolist()), stats_torch(c2, b)
 out["max_pos"] = [got2["max_pos"], ref2["max_pos"]]
 out["hist_equal"] = got2["hist"] == ref2["hist"] and got["hist"] == ref["hist"]
 # all-finite outputs take the kernel's fast path (no masks on full tiles, a partial last tile, ties at
-# the maximum resolved to the first position); fp32 rows and padded rows too
+# the maximum resolved to the first position); fp32 rows and padded rows too; its running state per row
+# and per element (ew)
 fast = []
 for shape, dt, valid in (((9001,), torch.bfloat16, None), ((77, 130), torch.float32, 70)):
     b3 = torch.randn(shape, generator=g).to(dt)
     c3 = (b3.float() + (torch.rand(shape, generator=g) < 0.3) * 0.25).to(dt)
     v3 = torch.tensor([valid], dtype=torch.int32) if valid else None
-    g3 = finalize(dev.fused_raw_stats(c3, b3, v3).tolist())
     r3 = stats_torch(c3, b3, valid * shape[1] if valid else None)
-    fast.append(all(math.isclose(g3[k], r3[k], rel_tol=1e-6) if isinstance(r3[k], float) else g3[k] == r3[k]
-                    for k in r3))
+    for ew in (False, True):
+        g3 = finalize(dev.fused_raw_stats(c3, b3, v3, ew=ew).tolist())
+        fast.append(all(math.isclose(g3[k], r3[k], rel_tol=1e-6) if isinstance(r3[k], float) else g3[k] == r3[k]
+                        for k in r3))
 out["fast_path_equal"] = fast
 # a zero baseline under a nonzero difference: the fast path's d / |b| is infinite there, so the program is
 # redone exactly (|b| floored at TINY: a finite max rel)
@@ -522,7 +524,7 @@ def test_kernels_and_device_decisions_in_the_interpreter(tmp_path: Path) -> None
     r = json.loads(line[0][7:])
     assert r["stats_close"] and r["hist_equal"], r
     assert r["max_pos"][0] == r["max_pos"][1]
-    assert r["fast_path_equal"] == [True, True], "all-finite outputs (fast path), max position included"
+    assert r["fast_path_equal"] == [True] * 4, "all-finite outputs (fast path), max position included"
     assert math.isfinite(r["zero_base"][1]) and math.isclose(*r["zero_base"], rel_tol=1e-6), r["zero_base"]
     assert r["eager_steps"] == [2, 4] and r["eager_numel"] == 12 * 8 and r["eager_bucket"] == [2, 16, 300, 4]
     assert r["eager_max_abs_ok"]
