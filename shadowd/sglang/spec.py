@@ -4,7 +4,9 @@ An AROUND hook on ``SchedulerMetricsReporter.update_spec_metrics(bs, num_correct
 num_accept_tokens, ...)`` — the call SGLang makes once per verify step — adds the step to the
 counters of the mode in effect (off / validate / on, kill switch applied; ``on`` only while the candidate is
 served: an on-mode step after a fallback, or with the candidate disabled, serves SGLang's kernel and counts as
-``validate``, as while the promotion gate holds). ``accept length`` =
+``validate``, as while the promotion gate holds; a step on a shape bucket the gate's verdict did not cover is served
+by SGLang's kernel too but counts as ``on``: under CUDA graphs the control kernel decides that per replay, unseen by
+the host — the run's ``on_mode_shapes`` counts those calls). ``accept length`` =
 accepted tokens / request-steps, the same figure SGLang logs as ``accept len``; tokens per step
 (accepted tokens per verify pass of the batch) too. The counters ride in every wire batch's
 ``producer_stats`` under :data:`STAT_KEYS` as far as the collector's wire knows those keys, and are
