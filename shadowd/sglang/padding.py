@@ -17,6 +17,11 @@ replay recomputes it) without a host synchronisation:
 * ``[2]`` the longest prefix among the real requests;
 * ``[3]`` real token rows (the padded ones follow them): the statistics and the candidate's non-finite check
   cover these only.
+
+Draft tokens per request are the step's constant here. SGLang 0.5.23 replays a verify graph only for a batch of
+the captured width (another width runs eagerly), and captures per-request verify lengths (the DSPARK ragged verify
+layout) only for backends that declare ``supports_ragged_verify_graph``, which the Triton backend this hook wraps
+does not.
 """
 
 from __future__ import annotations

@@ -118,3 +118,13 @@ def test_an_eager_batch_padded_for_data_parallel_attention_keeps_its_real_size(s
     site = ShadowSite("s", lambda *a: None, lambda *a: None, first_layer=0)
     b = _make_bucket(16, 2, fb, case.backend.forward_metadata, site, 0, capturing=False)
     assert (b.batch_size, b.prefix_len, b.valid_rows) == (2, 13, 8)
+
+
+def test_the_triton_backend_captures_no_per_request_verify_lengths(sgl: Any) -> None:
+    """``graph_shape`` takes the draft tokens per request as the step's constant. SGLang captures per-request verify
+    lengths (the ragged verify layout) only for backends that declare ``supports_ragged_verify_graph``; should
+    SGLang's Triton backend declare it, the padding read must learn the ragged layout."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    assert sgl.TritonAttnBackend.supports_ragged_verify_graph is False
+    assert AttentionBackend.supports_ragged_verify_graph is False
