@@ -30,6 +30,7 @@ The thread never touches the serving path beyond :meth:`HookRuntime.open_gate`. 
 keeps the gate held (retried); a run judged for another deployment, an unknown run or a refused request keep
 it held for good (logged once, as an error): the fix is a restart with the right build or ``SHADOWD_GATE_RUN``.
 A held gate logs one line per state (the verdict and its first failing criterion), not one per question.
+A forked child, which has none of its parent's threads, watches (held) or follows (open) with a thread of its own.
 """
 
 from __future__ import annotations
@@ -257,11 +258,15 @@ class PromotionGate:
         return self
 
     def _after_fork(self) -> None:
-        """In a forked child: the parent's thread is not here, so the child's gate would stay held for good; it
-        watches with a thread (and connections) of its own, as the streamer does (``shadowd.hook.streamer``)."""
-        if self.done.is_set() or self._stop.is_set():
+        """In a forked child: the parent's thread is not here, so the child's gate would stay held for good (or, once
+        open, stop following the verdict); it watches with a thread (and connections) of its own, as the streamer
+        does (``shadowd.hook.streamer``). A gate closed for good, or stopped, needs none."""
+        if self._stop.is_set() or (self.done.is_set() and not self.opened):
             return
+        done = self.done.is_set()
         self.done, self._stop = threading.Event(), threading.Event()  # (their locks may be the parent thread's)
+        if done:  # open: the child's thread only follows
+            self.done.set()
         self._thread = threading.Thread(target=self._loop, args=(True,), name="shadowd-gate", daemon=True)
         self._thread.start()
 

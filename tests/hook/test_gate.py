@@ -519,3 +519,32 @@ def test_a_child_forked_while_the_gate_is_held_watches_the_gate_itself() -> None
         assert rt.mode == "validate" and not gate.done.is_set(), "the parent's gate is its own"
     finally:
         gate.stop(5)
+
+
+def test_a_child_forked_after_the_gate_opened_follows_the_verdict_itself() -> None:
+    """Once open, the gate's thread follows the verdict; a forked child has no such thread, so it starts its own:
+    a later READY verdict covering more shapes widens the child's set too."""
+    import os
+    import signal
+
+    rt, _ = gated_runtime()
+    fake = FakeCollector("READY")
+    fake.shapes = [[1, 16, 13]]
+    gate = PromotionGate(rt, client_for(fake), GATE, OWN, interval_s=0.01, follow_s=0.02).start()
+    rt.gate = gate
+    try:
+        assert gate.done.wait(10) and gate.opened and len(rt.coverage.shapes) == 1
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            ok = False
+            try:
+                signal.alarm(20)
+                fake.shapes = [[1, 16, 13], [2, 16, 13]]  # (the child's copy of the fake collector)
+                ok = wait_for(lambda: len(rt.coverage.shapes) == 2, 10) and rt.mode == "on"
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child widened its shapes from its own follow-up"
+        assert len(rt.coverage.shapes) == 1, "the parent's collector still covers one shape"
+    finally:
+        gate.stop(5)
