@@ -30,7 +30,7 @@ from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
 __all__ = ["HIST_MODE", "LARGE_NUMEL", "LARGE_TILE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC",
            "REC_MAIN", "REC_MAIN_ORACLE", "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND", "SMALL_NUMEL",
            "SMALL_TILE", "SPEC_NUMEL", "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for",
-           "launch_stats", "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported"]
+           "launch_stats", "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported", "stats_config"]
 
 #: record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind, the candidate's
 #: error flag as the call's statistics kernel read it (``launch_stats(cand_flag=...)``; 0 without one), and the
@@ -146,34 +146,45 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     has_valid = isinstance(valid_rows, torch.Tensor)
     if isinstance(valid_rows, int):
         n = min(n, valid_rows * row)
+    pdl = pdl_supported(c.device) if pdl is None else (pdl and not _INTERPRET)
+    nprog, config = stats_config(n, b.element_size(), _sms(c.device), tile=tile, hist=hist, hist_mode=hist_mode,
+                                 spec=spec, pdl=pdl, publish=publish, stamp=stamp, has_valid=has_valid,
+                                 has_flag=cand_flag is not None, ew=ew)
+    return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
+                           sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
+                           hard_rel_l2 * hard_rel_l2, site_id, kind, cand_flag if cand_flag is not None else sstate,
+                           **config)
+
+
+def stats_config(n: int, element_size: int, sms: int, *, tile: tuple[int, int, int] | None = None, hist: bool = True,
+                 hist_mode: int | None = None, spec: bool | None = None, pdl: bool = False, publish: bool = True,
+                 stamp: bool = False, has_valid: bool = False, has_flag: bool = False, ew: bool | None = None,
+                 interpret: bool = _INTERPRET) -> tuple[int, dict[str, Any]]:
+    """The statistics kernel's grid and compile-time configuration for ``n`` real elements of ``element_size``
+    bytes on a GPU of ``sms`` SMs: (programs, the kernel's constexpr arguments with ``num_warps`` and the launch
+    options). The knobs are :func:`launch_stats`' (``pdl`` already decided); what it launches, and what a
+    compile-only check builds."""
     block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else MID_TILE if n <= MID_NUMEL
                                     else LARGE_TILE if n <= LARGE_NUMEL else TILE)
     # histogram by inline PTX on the GPU (shared-memory columns, or warp ballots where the columns are not
     # compiled for this many warps); tl.histogram in the interpreter
-    mode = (hist_mode or (1 if _INTERPRET else HIST_MODE)) if hist else 0
+    mode = (hist_mode or (1 if interpret else HIST_MODE)) if hist else 0
     mode = hist_mode_for(mode, warps)
-    vec = max(1, min(8, 16 // b.element_size()))  # one 16-byte vector per row of a tile
-    nprog = max(1, min(per_sm * _sms(c.device), triton.cdiv(max(n, 1), block)))
+    vec = max(1, min(8, 16 // element_size))  # one 16-byte vector per row of a tile
+    nprog = max(1, min(per_sm * sms, triton.cdiv(max(n, 1), block)))
     # registers capped so that per_sm programs fit one SM's 64 K registers (the loads in flight per SM
     # are what reaches the bandwidth); the interpreter takes no launch options
     # (allocated per warp in steps of 8 per thread; 255, the most a thread can address, when the share allows 256)
     share = REGS_PER_SM // (warps * 32 * per_sm)
-    opts: dict[str, Any] = {} if _INTERPRET else {"maxnreg": 255 if share >= 256 else share // 8 * 8}
+    opts: dict[str, Any] = {} if interpret else {"maxnreg": 255 if share >= 256 else share // 8 * 8}
     ew = share >= 256 if ew is None else ew
-    pdl = pdl_supported(c.device) if pdl is None else (pdl and not _INTERPRET)
     if pdl:
         opts["launch_pdl"] = True
     if spec is None:  # under PDL the decision is read before the wait: a speculative load gains nothing
         spec = n <= SPEC_NUMEL and not pdl
-    has_flag = cand_flag is not None
-    return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
-                           sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
-                           hard_rel_l2 * hard_rel_l2, site_id, kind, cand_flag if has_flag else sstate,
-                           HAS_VALID=has_valid, HAS_FLAG=has_flag, BLOCK=block, VEC=vec,
-                           HIST=mode, PUBLISH=publish, GPU=not _INTERPRET, NMETA=NMETA, NW=warps,
-                           SPEC=spec, POS=n <= POS_NUMEL,
-                           PDL=pdl, ONE=nprog * block >= n, STAMP=stamp and not _INTERPRET, EW=ew, num_warps=warps,
-                           **opts)
+    return nprog, dict(HAS_VALID=has_valid, HAS_FLAG=has_flag, BLOCK=block, VEC=vec, HIST=mode, PUBLISH=publish,
+                       GPU=not interpret, NMETA=NMETA, NW=warps, SPEC=spec, POS=n <= POS_NUMEL, PDL=pdl,
+                       ONE=nprog * block >= n, STAMP=stamp and not interpret, EW=ew, num_warps=warps, **opts)
 
 
 def gated_copy(src: torch.Tensor, sstate: torch.Tensor, word: int = RUN_BASE) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The statistics kernel's default configurations compile for sm_90 without spilling: a compile-only check.
+
+Triton compiles ``_stats_kernel`` for an sm_90 target without a GPU (its bundled ptxas), exactly as
+:func:`shadowd.hook.launch.stats_config` configures it for each output size's default tile, and the cubin's
+resource usage (its bundled ``cuobjdump -res-usage``) must show no local memory: the register cap per tile
+(``maxnreg``, from the programs per SM) and the per-element running state (``EW``, only where a thread may hold
+255 registers) are chosen so that the pass stays in registers. The build runs in a subprocess without
+``TRITON_INTERPRET`` (other tests of the suite turn the interpreter on for this process). Skipped with the reason
+when Triton or its NVIDIA tools are not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+#: output sizes (bf16 elements) that reach each default tile and its variants: the small tile with one tile per
+#: program, the mid tile, the large tile with and without position tracking, the bandwidth tile
+SIZES = (2**16, 2**20, 2**22, 2**23, 2**25)
+
+SCRIPT = r'''
+import json, subprocess, sys
+from pathlib import Path
+
+import triton
+import triton.backends.nvidia as nv
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from shadowd.hook.launch import stats_config
+from shadowd.hook.triton_stats import stats_kernel
+
+out_dir, sizes, sms = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+tools = Path(nv.__file__).parent / "bin"
+if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
+    print("RESULT " + json.dumps({"skip": f"Triton's NVIDIA tools (ptxas, cuobjdump) are not in {tools}"}))
+    sys.exit(0)
+sig = {"c_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*i64", "accf_ptr": "*fp64", "n_static": "i64",
+       "valid_ptr": "*i64", "row_numel": "i32", "sstate_ptr": "*i64", "rec_ptr": "*fp64", "seq_ptr": "*i64",
+       "ring_size": "i32", "rec_size": "i32", "dstate_ptr": "*i64", "hard_scaled": "fp32", "hard_rel_l2_sq": "fp32",
+       "site_id": "i32", "kind": "i32", "flag_ptr": "*i64"}
+names = list(sig)
+# pointers 16-byte aligned and row sizes a multiple of 16, as the JIT specializes them at launch
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a][0] == "*" or a == "row_numel"}
+res = {}
+for n in sizes:
+    _nprog, config = stats_config(n, 2, sms, pdl=True, stamp=True, has_valid=True, interpret=False)
+    options = {k: config.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl")}
+    src = ASTSource(fn=stats_kernel, signature={**sig, **dict.fromkeys(config, "constexpr")}, constexprs=config,
+                    attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    cubin = out_dir / f"stats-{n}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    res[str(n)] = {"config": {**config, **options}, "usage": usage}
+print("RESULT " + json.dumps(res))
+'''
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each size's configuration and ``cuobjdump -res-usage`` report, built for an H100 / H200 (132 SMs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path_factory.mktemp("stats-build")),
+                           json.dumps(SIZES), "132"], capture_output=True, text=True, env=env, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res: dict[str, Any] = json.loads(line[0][7:])
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    return res
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_the_default_configuration_compiles_for_sm90_without_spills(n: int, builds: dict[str, Any]) -> None:
+    config, usage = builds[str(n)]["config"], builds[str(n)]["usage"]
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    assert m, usage
+    regs, stack, shared, local = (int(g) for g in m.groups())
+    assert stack == 0 and local == 0, f"{n} elements, {config}: spills ({usage.strip()})"
+    assert regs <= config["maxnreg"], (regs, config)
+    assert shared <= 48 * 1024, "static shared memory (the histogram's columns) within the 48 KiB default"
