@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -156,14 +158,16 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                            **config)
 
 
+@functools.lru_cache(maxsize=256)
 def stats_config(n: int, element_size: int, sms: int, *, tile: tuple[int, int, int] | None = None, hist: bool = True,
                  hist_mode: int | None = None, spec: bool | None = None, pdl: bool = False, publish: bool = True,
                  stamp: bool = False, has_valid: bool = False, has_flag: bool = False, ew: bool | None = None,
-                 interpret: bool = _INTERPRET) -> tuple[int, dict[str, Any]]:
+                 interpret: bool = _INTERPRET) -> tuple[int, Mapping[str, Any]]:
     """The statistics kernel's grid and compile-time configuration for ``n`` real elements of ``element_size``
     bytes on a GPU of ``sms`` SMs: (programs, the kernel's constexpr arguments with ``num_warps`` and the launch
-    options). The knobs are :func:`launch_stats`' (``pdl`` already decided); what it launches, and what a
-    compile-only check builds."""
+    options, read-only). The knobs are :func:`launch_stats`' (``pdl`` already decided); what it launches, and what
+    a compile-only check builds. Cached: a site's calls repeat a few static configurations, so a compared call pays
+    one lookup for them."""
     block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else MID_TILE if n <= MID_NUMEL
                                     else LARGE_TILE if n <= LARGE_NUMEL else TILE)
     # histogram by inline PTX on the GPU (shared-memory columns, or warp ballots where the columns are not
@@ -182,9 +186,10 @@ def stats_config(n: int, element_size: int, sms: int, *, tile: tuple[int, int, i
         opts["launch_pdl"] = True
     if spec is None:  # under PDL the decision is read before the wait: a speculative load gains nothing
         spec = n <= SPEC_NUMEL and not pdl
-    return nprog, dict(HAS_VALID=has_valid, HAS_FLAG=has_flag, BLOCK=block, VEC=vec, HIST=mode, PUBLISH=publish,
-                       GPU=not interpret, NMETA=NMETA, NW=warps, SPEC=spec, POS=n <= POS_NUMEL, PDL=pdl,
-                       ONE=nprog * block >= n, STAMP=stamp and not interpret, EW=ew, num_warps=warps, **opts)
+    return nprog, MappingProxyType(dict(
+        HAS_VALID=has_valid, HAS_FLAG=has_flag, BLOCK=block, VEC=vec, HIST=mode, PUBLISH=publish, GPU=not interpret,
+        NMETA=NMETA, NW=warps, SPEC=spec, POS=n <= POS_NUMEL, PDL=pdl, ONE=nprog * block >= n,
+        STAMP=stamp and not interpret, EW=ew, num_warps=warps, **opts))
 
 
 def gated_copy(src: torch.Tensor, sstate: torch.Tensor, word: int = RUN_BASE) -> torch.Tensor:

@@ -55,6 +55,7 @@ attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a][0
 res = {}
 for n in sizes:
     _nprog, config = stats_config(n, 2, sms, pdl=True, stamp=True, has_valid=True, interpret=False)
+    config = dict(config)
     options = {k: config.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl")}
     src = ASTSource(fn=stats_kernel, signature={**sig, **dict.fromkeys(config, "constexpr")}, constexprs=config,
                     attrs=attrs)
