@@ -59,10 +59,11 @@ SHAPES = ((16, 8, 512), (64, 16, 512), (128, 16, 512), (128, 32, 512), (256, 32,
 #: launch options tried per call under a graph on the small outputs (default tile): the first tile loaded
 #: before the decision word (spec), programmatic dependent launch (pdl: each call's launch overlaps the
 #: previous kernel), publish (the record's sequence number behind a system-scope fence, as the hook does), and the
-#: fast pass's running state per element or per row (``launch_stats``' ``ew``)
+#: fast pass's running state per element or per row (``launch_stats``' ``ew``), and the position of max |d| found by
+#: re-reading its vector after the pass instead of tracked per element (``pos``)
 LAUNCH_VARIANTS = {"spec": {"spec": True}, "pdl": {"pdl": True}, "spec+pdl": {"spec": True, "pdl": True},
                    "publish": {"publish": True}, "per-element state": {"ew": True},
-                   "per-row state": {"ew": False}}
+                   "per-row state": {"ew": False}, "position by re-read": {"pos": False}}
 HIST_NAMES = {0: "off", 1: "tl.histogram", 2: "warp ballots", 3: "shared-memory columns (red.shared)"}
 
 

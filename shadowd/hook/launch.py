@@ -29,10 +29,11 @@ from shadowd.hook.triton_control import gate_kernel
 from shadowd.hook.triton_hist import COLS_WARPS
 from shadowd.hook.triton_stats import ACC, ACC_WORDS, stats_kernel
 
-__all__ = ["HIST_MODE", "LARGE_NUMEL", "LARGE_TILE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL", "REC",
-           "REC_MAIN", "REC_MAIN_ORACLE", "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND", "SMALL_NUMEL",
-           "SMALL_TILE", "SPEC_NUMEL", "TILE", "fused_raw_stats", "gated_copies", "gated_copy", "hist_mode_for",
-           "launch_stats", "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported", "stats_config"]
+__all__ = ["HIST_MODE", "LARGE_HIST_MODE", "LARGE_NUMEL", "LARGE_TILE", "MID_NUMEL", "MID_TILE", "NMETA", "POS_NUMEL",
+           "REC", "REC_MAIN", "REC_MAIN_ORACLE", "REC_ORACLE_BASE", "REC_ORACLE_CAND", "RUN_BASE", "RUN_CAND",
+           "SMALL_NUMEL", "SMALL_TILE", "SPEC_NUMEL", "TILE", "fused_raw_stats", "gated_copies", "gated_copy",
+           "hist_mode_for", "launch_stats", "merged_gate_launches", "new_accumulator", "pdl_options", "pdl_supported",
+           "stats_config"]
 
 #: record: seq, call, step, mode, flags, base_ns, cand_ns, batch, draft, prefix, site, kind, the candidate's
 #: error flag as the call's statistics kernel read it (``launch_stats(cand_flag=...)``; 0 without one), and the
@@ -63,9 +64,14 @@ LARGE_NUMEL, LARGE_TILE = 2**23, (2048, 4, 2)
 SPEC_NUMEL = 2**17
 POS_NUMEL = 2**22
 REGS_PER_SM = 65536  # sm_80 .. sm_120
-#: histogram (shadowd.hook.triton_hist): 1 tl.histogram, 2 warp ballots, 3 per-thread shared-memory columns
-#: (compiled for COLS_WARPS warps; other warp counts fall back to ballots)
+#: histogram (shadowd.hook.triton_hist): 1 tl.histogram, 2 warp ballots, 3 per-thread shared-memory columns,
+#: 4 exponent rows per lane (3 and 4 compiled for COLS_WARPS warps; other warp counts fall back to ballots)
 HIST_MODE = 3
+#: the large tile's histogram: exponent rows (three instructions per element fewer than the columns, a fold of the
+#: sparse rows after the pass): on an H100, 2^22 elements 7.23 against 7.57 µs per call, 2^23 12.01 against 12.24,
+#: while at 2^19-2^20 and on the 8-warp bandwidth tile the fold costs more than it saves
+#: (bench/results/hook-2026-12-07.md, session 30)
+LARGE_HIST_MODE = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -105,9 +111,9 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def hist_mode_for(mode: int, warps: int) -> int:
-    """The histogram mode really compiled for ``warps`` warps: the shared-memory columns (3) where they
-    fit (COLS_WARPS), else warp ballots."""
-    if mode == 3 and warps not in COLS_WARPS:
+    """The histogram mode really compiled for ``warps`` warps: the shared-memory columns (3) or exponent rows
+    (4) where they are compiled (COLS_WARPS), else warp ballots."""
+    if mode in (3, 4) and warps not in COLS_WARPS:
         return 2
     return mode
 
@@ -118,17 +124,20 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
                  publish: bool = True, tile: tuple[int, int, int] | None = None, hist: bool = True,
                  hist_mode: int | None = None, spec: bool | None = None, pdl: bool | None = None,
                  kind: int = REC_MAIN, stamp: bool = False, cand_flag: torch.Tensor | None = None,
-                 ew: bool | None = None) -> Any:
+                 ew: bool | None = None, pos: bool | None = None) -> Any:
     """Launch the statistics kernel (one launch; no sync, no allocation when inputs are contiguous).
 
     Returns Triton's handle of the launched kernel. ``acc`` is the call site's accumulator
     (:func:`new_accumulator`); calls sharing one must be stream-ordered. Positions of max |d| are exact
     below 2^32 elements. ``tile`` (elements per tile, warps, programs per SM), ``hist`` and ``hist_mode``
-    (1 tl.histogram, 2 warp ballots, 3 shared-memory columns) and ``spec`` (load the first tile before the
-    decision word; default: outputs up to SPEC_NUMEL elements launched without PDL) and ``pdl`` (programmatic
-    dependent launch; default: :func:`pdl_supported`) are benchmark knobs; the hook uses the defaults.
+    (1 tl.histogram, 2 warp ballots, 3 shared-memory columns, 4 exponent rows) and ``spec`` (load the first
+    tile before the decision word; default: outputs up to SPEC_NUMEL elements launched without PDL) and ``pdl``
+    (programmatic dependent launch; default: :func:`pdl_supported`) are benchmark knobs; the hook uses the
+    defaults.
     ``ew`` (default: where a thread may hold 255 registers) keeps the fast pass's sums and maxima per element,
-    reduced to rows once (fewer instructions per element, ~80 more registers per thread). ``kind`` goes into the
+    reduced to rows once (fewer instructions per element, ~80 more registers per thread). ``pos`` (default: outputs
+    up to POS_NUMEL elements) tracks the position of max |d| per element during the pass instead of re-reading the
+    vectors that hold it after the last tile (fewer instructions against one dependent load). ``kind`` goes into the
     record's word 11 (``REC_*``: what the record compares). ``stamp``: the record's
     candidate time ends at this kernel's start (global timer, read after the PDL wait) instead of at the
     stamp kernel's ``sstate[8]`` — one launch fewer per call where the candidate directly precedes it.
@@ -151,7 +160,7 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
     pdl = pdl_supported(c.device) if pdl is None else (pdl and not _INTERPRET)
     nprog, config = stats_config(n, b.element_size(), _sms(c.device), tile=tile, hist=hist, hist_mode=hist_mode,
                                  spec=spec, pdl=pdl, publish=publish, stamp=stamp, has_valid=has_valid,
-                                 has_flag=cand_flag is not None, ew=ew)
+                                 has_flag=cand_flag is not None, ew=ew, pos=pos)
     return stats_kernel[(nprog,)](c, b, acc, acc.view(torch.float64)[ACC:], n, valid_rows if has_valid else sstate, row,
                            sstate, rec, seq, rec.shape[0], rec.shape[1], dstate, hard_scaled,
                            hard_rel_l2 * hard_rel_l2, site_id, kind, cand_flag if cand_flag is not None else sstate,
@@ -162,7 +171,7 @@ def launch_stats(cand: torch.Tensor, base: torch.Tensor, acc: torch.Tensor, rec:
 def stats_config(n: int, element_size: int, sms: int, *, tile: tuple[int, int, int] | None = None, hist: bool = True,
                  hist_mode: int | None = None, spec: bool | None = None, pdl: bool = False, publish: bool = True,
                  stamp: bool = False, has_valid: bool = False, has_flag: bool = False, ew: bool | None = None,
-                 interpret: bool = _INTERPRET) -> tuple[int, Mapping[str, Any]]:
+                 pos: bool | None = None, interpret: bool = _INTERPRET) -> tuple[int, Mapping[str, Any]]:
     """The statistics kernel's grid and compile-time configuration for ``n`` real elements of ``element_size``
     bytes on a GPU of ``sms`` SMs: (programs, the kernel's constexpr arguments with ``num_warps`` and the launch
     options, read-only). The knobs are :func:`launch_stats`' (``pdl`` already decided); what it launches, and what
@@ -170,9 +179,10 @@ def stats_config(n: int, element_size: int, sms: int, *, tile: tuple[int, int, i
     one lookup for them."""
     block, warps, per_sm = tile or (SMALL_TILE if n <= SMALL_NUMEL else MID_TILE if n <= MID_NUMEL
                                     else LARGE_TILE if n <= LARGE_NUMEL else TILE)
-    # histogram by inline PTX on the GPU (shared-memory columns, or warp ballots where the columns are not
-    # compiled for this many warps); tl.histogram in the interpreter
-    mode = (hist_mode or (1 if interpret else HIST_MODE)) if hist else 0
+    # histogram by inline PTX on the GPU (shared-memory columns; exponent rows on the large tile; warp ballots where
+    # neither is compiled for this many warps); tl.histogram in the interpreter
+    default = LARGE_HIST_MODE if tile is None and MID_NUMEL < n <= LARGE_NUMEL else HIST_MODE
+    mode = (hist_mode or (1 if interpret else default)) if hist else 0
     mode = hist_mode_for(mode, warps)
     vec = max(1, min(8, 16 // element_size))  # one 16-byte vector per row of a tile
     nprog = max(1, min(per_sm * sms, triton.cdiv(max(n, 1), block)))
@@ -188,7 +198,7 @@ def stats_config(n: int, element_size: int, sms: int, *, tile: tuple[int, int, i
         spec = n <= SPEC_NUMEL and not pdl
     return nprog, MappingProxyType(dict(
         HAS_VALID=has_valid, HAS_FLAG=has_flag, BLOCK=block, VEC=vec, HIST=mode, PUBLISH=publish, GPU=not interpret,
-        NMETA=NMETA, NW=warps, SPEC=spec, POS=n <= POS_NUMEL, PDL=pdl, ONE=nprog * block >= n,
+        NMETA=NMETA, NW=warps, SPEC=spec, POS=n <= POS_NUMEL if pos is None else pos, PDL=pdl, ONE=nprog * block >= n,
         STAMP=stamp and not interpret, EW=ew, num_warps=warps, **opts))
 
 

@@ -25,7 +25,8 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 #: output sizes (bf16 elements) that reach each default tile and its variants: the small tile with one tile per
-#: program, the mid tile, the large tile with and without position tracking, the bandwidth tile
+#: program, the mid tile, the large tile (exponent-row histogram) with and without position tracking, the bandwidth
+#: tile
 SIZES = (2**16, 2**20, 2**22, 2**23, 2**25)
 
 SCRIPT = r'''
@@ -93,3 +94,8 @@ def test_the_default_configuration_compiles_for_sm90_without_spills(n: int, buil
     assert stack == 0 and local == 0, f"{n} elements, {config}: spills ({usage.strip()})"
     assert regs <= config["maxnreg"], (regs, config)
     assert shared <= 48 * 1024, "static shared memory (the histogram's columns) within the 48 KiB default"
+
+
+def test_the_checked_sizes_cover_every_default_histogram_scheme(builds: dict[str, Any]) -> None:
+    """Both shared-memory histograms the defaults use (columns, exponent rows) are among the builds checked."""
+    assert {b["config"]["HIST"] for b in builds.values()} == {3, 4}

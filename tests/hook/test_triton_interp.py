@@ -624,4 +624,5 @@ def test_histogram_scheme_falls_back_where_its_shared_memory_does_not_fit() -> N
 
     assert hist_mode_for(3, 8) == 3 and hist_mode_for(3, 4) == 3  # columns fit up to 8 warps
     assert hist_mode_for(3, 16) == 2  # 80 KiB of columns: ballots instead
+    assert hist_mode_for(4, 8) == 4 and hist_mode_for(4, 16) == 2  # exponent rows: compiled as the columns are
     assert hist_mode_for(1, 16) == 1 and hist_mode_for(2, 16) == 2 and hist_mode_for(0, 8) == 0
