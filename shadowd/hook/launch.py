@@ -68,8 +68,8 @@ REGS_PER_SM = 65536  # sm_80 .. sm_120
 #: 4 exponent rows per lane (3 and 4 compiled for COLS_WARPS warps; other warp counts fall back to ballots)
 HIST_MODE = 3
 #: the large tile's histogram: exponent rows (three instructions per element fewer than the columns, a fold of the
-#: sparse rows after the pass): on an H100, 2^22 elements 7.23 against 7.57 µs per call, 2^23 12.01 against 12.24,
-#: while at 2^19-2^20 and on the 8-warp bandwidth tile the fold costs more than it saves
+#: sparse rows after the pass): on an H100, 2^22 elements 7.23-7.25 against 7.56-7.57 µs per call (2^23: within the
+#: spread between runs), while at 2^19-2^20 and on the 8-warp bandwidth tile the fold costs more than it saves
 #: (bench/results/hook-2026-12-07.md, session 30)
 LARGE_HIST_MODE = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

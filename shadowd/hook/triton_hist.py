@@ -1,5 +1,5 @@
 # mypy: allow-untyped-defs
-"""The log2 histogram of |diff| inside the fused statistics pass: three ways to count, one contract.
+"""The log2 histogram of |diff| inside the fused statistics pass: four ways to count, one contract.
 
 A bin index per element comes from :func:`bins` (0 for exact zero, then floor(log2|d|) clipped,
 ``HIST_BINS - 1`` for positions not compared, ``HB - 1`` for lanes past the real elements, which are
@@ -16,9 +16,10 @@ which returns the program's counts as int32 [HB] (bins >= HIST_BINS are zero).
   a static ``.shared`` array declared by inline PTX, counts with ``red.shared.add`` (fire and forget, no
   read-modify-write chain in the thread) and never touches another thread's column until the final
   read-back, which follows a CTA barrier. Word addresses of one warp's lanes differ by the lane, so the
-  32 lanes always hit 32 different banks: conflict-free whatever the distribution of |d|. Three SASS
-  instructions per element. The array is 4 · HIST_BINS · THREADS bytes of static shared memory (40 KiB
-  at 8 warps), so this mode is compiled for 1, 2, 4 and 8 warps only (``COLS_WARPS``).
+  32 lanes always hit 32 different banks: conflict-free whatever the distribution of |d|. Seven SASS
+  instructions per element on the fast path (the abs, three clamps, the address, the count; sm_90). The
+  array is 4 · HIST_BINS · THREADS bytes of static shared memory (40 KiB at 8 warps), so this mode is
+  compiled for 1, 2, 4 and 8 warps only (``COLS_WARPS``).
 * 4 — rows of |d|'s exponent in shared memory, one word per lane: on the fast path an element's word is
   ``row = biased exponent of |d| · 2^32`` (zero stays in row 0; a subnormal |d| becomes normal, so only an exact
   zero lands there), ``word = row · 32 + lane``, so the bin costs a multiply, a mask and a shift-add instead of
