@@ -30,7 +30,8 @@ DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (defa
 def _db_url(db: str | None) -> str:
     from shadowd.collector.settings import CollectorSettings
 
-    return db or CollectorSettings().db_url
+    # (--db goes through the settings' check too: a URL of another database is one line, not a traceback)
+    return CollectorSettings(db_url=db).db_url if db else CollectorSettings().db_url
 
 
 @app.command()
@@ -173,15 +174,10 @@ def _check_seconds(value: float, hint: str) -> None:
 
 def _check_url(url: str) -> None:
     """A collector URL httpx can send to (http or https, with a host): else a usage error naming --url."""
-    import httpx
+    from shadowd.client import url_problem
 
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
-        raise typer.BadParameter(f"{url!r}: {exc}", param_hint="'--url' / SHADOWD_URL") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise typer.BadParameter(f"{url!r} is not an http:// or https:// URL with a host (e.g. "
-                                 "http://127.0.0.1:8787)", param_hint="'--url' / SHADOWD_URL")
+    if (why := url_problem(url)) is not None:
+        raise typer.BadParameter(f"{url!r}: {why}", param_hint="'--url' / SHADOWD_URL")
 
 
 @app.command()

@@ -20,7 +20,18 @@ import httpx
 
 from shadowd.wire import MSGPACK, SENT_AT_HEADER
 
-__all__ = ["BatchRejected", "CollectorClient", "CollectorError", "CollectorUnavailable"]
+__all__ = ["BatchRejected", "CollectorClient", "CollectorError", "CollectorUnavailable", "url_problem"]
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is no collector base URL (http or https, with a host), or None when it is one."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return str(exc)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return "not an http:// or https:// URL with a host (e.g. http://127.0.0.1:8787)"
+    return None
 
 
 class CollectorError(Exception):
@@ -77,6 +88,8 @@ class CollectorClient:
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 10.0,
                  transport: httpx.BaseTransport | None = None) -> None:
+        if (why := url_problem(url)) is not None:
+            raise ValueError(f"collector URL {url!r}: {why}")
         headers = {"User-Agent": "shadowd-hook"}
         if token:
             headers["Authorization"] = f"Bearer {token}"

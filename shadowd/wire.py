@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import sys
 from array import array
 from collections.abc import Iterable, Mapping
@@ -61,6 +62,7 @@ __all__ = [
     "COLUMNS",
     "COUNTER_MAX",
     "COUNT_MAX",
+    "DEVICE_US_MAX",
     "HIST_BINS",
     "HIST_EXP_MAX",
     "HIST_EXP_MIN",
@@ -78,6 +80,7 @@ __all__ = [
     "pack_column",
     "pack_hist",
     "prefix_bucket_of",
+    "sample_problem",
     "samples_digest",
 ]
 
@@ -106,7 +109,7 @@ class Column:
     may carry NaN/Inf (an error statistic over a non-finite output is NaN, and the judge
     treats that as a failure, so it must reach the collector intact); ``minimum`` is the
     smallest allowed value of a number, ``maximum`` the largest (``I32``, ``BUCKETED_MAX``, ``COUNT_MAX``,
-    ``COUNTER_MAX``, ``TS_MAX``: bounds that keep the collector's rollups exact and in range).
+    ``COUNTER_MAX``, ``TS_MAX``, ``DEVICE_US_MAX``: bounds that keep the collector's rollups exact and in range).
     """
 
     name: str
@@ -129,6 +132,8 @@ BUCKETED_MAX = 2**30
 COUNT_MAX = 2**48
 COUNTER_MAX = 2**53
 TS_MAX = 4_102_444_800.0
+#: the longest device time of one call, microseconds (an hour): the timing rollups' sums and ratios stay finite
+DEVICE_US_MAX = 3.6e9
 
 COLUMNS: tuple[Column, ...] = (
     Column("layer", "int", "layer id (0-based); must be below the run's num_layers", maximum=I32),
@@ -167,8 +172,10 @@ COLUMNS: tuple[Column, ...] = (
            nan_ok=True),
     Column("oracle_base_err", "float", "max |baseline - fp32 oracle|", required=False, nullable=True,
            nan_ok=True),
-    Column("cand_us", "float", "candidate device time, microseconds", required=False, nullable=True),
-    Column("base_us", "float", "baseline device time, microseconds", required=False, nullable=True),
+    Column("cand_us", "float", "candidate device time, microseconds (at most an hour)", required=False,
+           nullable=True, maximum=DEVICE_US_MAX),
+    Column("base_us", "float", "baseline device time, microseconds (at most an hour)", required=False,
+           nullable=True, maximum=DEVICE_US_MAX),
     Column("new_requests", "int", "requests first seen in this step (counted on rank 0, layer 0)",
            required=False, nullable=True, maximum=I32),
 )
@@ -242,6 +249,62 @@ def pack_hist(rows: Iterable[Iterable[int]]) -> bytes:
         if len(flat) - before != HIST_BINS:
             raise ValueError(f"a histogram has {HIST_BINS} bins, got {len(flat) - before}")
     return _le(flat)
+
+
+def sample_problem(sample: Mapping[str, Any], num_layers: int | None = None) -> tuple[str, str] | None:
+    """The first field of one sample (a mapping of column name to value, as the hook builds them) that the
+    collector would refuse once the sample is sent as the hook's streamer sends it (numeric columns packed), and
+    why — ``None`` when it would take it. A producer checks its samples with this before batching them, so that
+    one bad sample (a caller's negative prefix length, a layer beyond the run's ``num_layers``) is refused alone
+    instead of taking a whole batch with it (the collector refuses a batch as a whole)."""
+    for name, kind, required, keep_nan, lo, hi in _CHECKS:
+        v = sample.get(name)
+        if v is None:
+            if required:
+                return name, "missing"
+            continue
+        if kind == "int":
+            try:
+                v = operator.index(v)
+            except TypeError:
+                return name, f"must be an integer, got {type(v).__name__}"
+        elif kind == "float":
+            if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+                return name, f"must be a number, got {type(v).__name__}"
+            v = float(v)
+            if v != v or v in (math.inf, -math.inf):
+                if keep_nan:
+                    continue
+                return name, f"must be finite, got {v}"
+        elif kind == "hist":
+            try:
+                counts = array("q", v)
+            except (TypeError, OverflowError):
+                return name, f"must be {HIST_BINS} integer counts"
+            if len(counts) != HIST_BINS:
+                return name, f"must be {HIST_BINS} counts, got {len(counts)}"
+            if min(counts) < 0 or max(counts) > COUNT_MAX:
+                return name, f"counts must be in [0, {COUNT_MAX}]"
+            continue
+        else:
+            if not isinstance(v, str) or len(v) > 200 or "\x00" in v:
+                return name, "must be a string of at most 200 characters without NUL"
+            if name == "mode" and v not in SPEC_MODES[1:]:
+                return name, f"must be one of {list(SPEC_MODES[1:])}, got {v!r}"
+            continue
+        if lo is not None and v < lo:
+            return name, f"must be ≥ {lo:g}, got {v}"
+        if hi is not None and v > hi:
+            return name, f"must be ≤ {hi:g}, got {v}"
+    if num_layers is not None and operator.index(sample["layer"]) >= num_layers:
+        return "layer", f"{sample['layer']} is not below the run's num_layers {num_layers}"
+    return None
+
+
+#: what :func:`sample_problem` checks per column: name, kind ("hist" for the histogram), required, NaN / Inf
+#: kept (a nan_ok column; a nullable one sends them as null), minimum, maximum
+_CHECKS = tuple((c.name, "hist" if c.name == "hist" else c.kind, c.required, c.nan_ok or c.nullable, c.minimum,
+                 c.maximum) for c in COLUMNS)
 
 
 def encode_msgpack(batch: Mapping[str, Any]) -> bytes:

@@ -77,11 +77,11 @@ def create_app(settings: CollectorSettings | None = None, registry: CollectorReg
     """Build the collector. The database must be at the migration head (or ``auto_upgrade``)."""
     settings = settings or CollectorSettings()
     registry = registry if registry is not None else CollectorRegistry()
+    policy = load_policy(settings.policy_file)  # (first: a bad policy file is named before any database work)
     if settings.auto_upgrade:
         upgrade(settings.db_url)
     engine = make_engine(settings.db_url)
     check_schema(engine, settings.db_url)
-    policy = load_policy(settings.policy_file)
     metrics = CollectorMetrics(registry)
     registry.register(RollupExporter(engine, settings.metrics_active_hours))
     store = Store(engine, policy, settings.time_bucket_s, settings.store_samples)

@@ -149,6 +149,8 @@ def _int_column(name: str, raw: list[Any] | bytes, col: Column, n: int) -> np.nd
         _check_range(name, arr, col)
         return arr
     arr = _as_array(raw)
+    if not len(raw):  # (numpy makes an empty list a float array: a stats-only batch's empty column)
+        return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1 or _has_bool(raw):
         for i, v in enumerate(raw):
             if isinstance(v, bool) or not isinstance(v, int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from typing import Any
@@ -60,7 +61,9 @@ def _cells(engine: Engine, run_id: int) -> list[dict[str, Any]]:
 
 
 def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """Per-layer summary of a run, folded from its (layer, bucket) cells."""
+    """Per-layer summary of a run, folded from its (layer, bucket) cells. The means are over the calls whose
+    statistics are all finite (``nan_stats`` counts the others; a non-finite value adds nothing to a sum) and
+    None when there is none — never the 0 of an empty sum."""
     acc: dict[int, dict[str, Any]] = {}
     for c in _cells(engine, run_id):
         a = acc.setdefault(c["layer"], defaultdict(float))
@@ -73,7 +76,7 @@ def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     out = []
     for layer in sorted(acc):
         a = acc[layer]
-        n = a["n"] or 1
+        finite = a["n"] - a["n_nan_stat"]
         out.append({
             "layer": layer,
             "samples": int(a["n"]),
@@ -84,12 +87,12 @@ def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
             "base_nonfinite": int(a["n_base_nonfinite"]),
             "nan_stats": int(a["n_nan_stat"]),
             "oracle_samples": int(a["n_oracle"]),
-            "mean_rel_l2": a["sum_rel_l2"] / n,
+            "mean_rel_l2": a["sum_rel_l2"] / finite if finite > 0 else None,
             "max_rel_l2": a["max_rel_l2"],
-            "mean_max_abs": a["sum_max_abs"] / n,
+            "mean_max_abs": a["sum_max_abs"] / finite if finite > 0 else None,
             "max_max_abs": a["max_max_abs"],
             "max_scaled_max_abs": a["max_scaled"],
-            "mean_cos_diff": a["sum_cos_diff"] / n,
+            "mean_cos_diff": a["sum_cos_diff"] / finite if finite > 0 else None,
             "max_cos_diff": a["max_cos_diff"],
             "max_oracle_ratio": a["max_oracle_ratio"],
             "cand_us": a["sum_cand_us"] / a["n_timed"] if a["n_timed"] else None,
@@ -99,8 +102,10 @@ def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
 
 
 def _timed(n: float, cand: float, base: float) -> dict[str, Any]:
+    # (a candidate timed at ~0 µs beside a long baseline would make the ratio overflow: no speed-up then)
+    ratio = base / cand if n and cand > 0 else None
     return {"timed_calls": int(n), "candidate_us": cand / n if n else None, "baseline_us": base / n if n else None,
-            "speedup": base / cand if n and cand > 0 else None}
+            "speedup": ratio if ratio is not None and math.isfinite(ratio) else None}
 
 
 def timing(engine: Engine, run_id: int) -> dict[str, Any]:

@@ -8,9 +8,12 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["DEFAULT_DB_URL", "CollectorSettings"]
+__all__ = ["DB_SCHEMES", "DEFAULT_DB_URL", "CollectorSettings"]
 
 DEFAULT_DB_URL = "sqlite:///shadowd.db"
+#: the URL schemes the collector runs on (SQLAlchemy dialect + driver): SQLite, PostgreSQL through psycopg 3 (the
+#: ``postgres`` extra) or psycopg2
+DB_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg", "postgresql+psycopg2")
 
 
 class CollectorSettings(BaseSettings):
@@ -59,6 +62,6 @@ class CollectorSettings(BaseSettings):
     @field_validator("db_url")
     @classmethod
     def _known_scheme(cls, v: str) -> str:
-        if not (v.startswith("sqlite") or v.startswith("postgresql")):
+        if v.split("://", 1)[0] not in DB_SCHEMES:
             raise ValueError("db_url must be a sqlite:/// or postgresql+psycopg:// URL")
         return v

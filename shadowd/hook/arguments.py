@@ -5,7 +5,8 @@
   candidate is kept from the real inputs: ``shadowd.hook.site``);
 * what an output is checked against without reading a value: the call's key (:func:`out_key`: the first
   tensor argument's trailing shape and dtype) and the baseline's output meta per key (:func:`out_meta`), against
-  which :func:`meta_error` names a candidate output's wrong ``type``, ``dtype`` or ``shape``.
+  which :func:`meta_error` names a candidate output's wrong ``type``, ``dtype`` or ``shape``; and
+  :func:`expect_tensor`, the check that the baseline's result is one tensor (what a site compares).
 
 Attribute reads only: nothing here synchronises the GPU, so the CUDA path (``shadowd.hook.cuda_call``) uses it
 on the serving thread and under graph capture.
@@ -18,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["NEST_MAX", "OUT_KEYS_MAX", "first_tensor", "key_of", "leaves", "meta_error", "out_key", "out_meta",
-           "rebuilt", "tensors"]
+__all__ = ["NEST_MAX", "OUT_KEYS_MAX", "expect_tensor", "first_tensor", "key_of", "leaves", "meta_error", "out_key",
+           "out_meta", "rebuilt", "tensors"]
 
 #: how deep the hook looks into list / tuple / dict arguments for tensors (to protect them from the candidate)
 NEST_MAX = 4
@@ -111,3 +112,9 @@ def meta_error(out: Any, t0: torch.Tensor | None, want: tuple[Any, ...] | None) 
         return "dtype" if got[0] != want[0] else "shape"
     return None
 
+
+def expect_tensor(out_b: Any) -> None:
+    """Raise TypeError unless the baseline's result is one tensor: a site compares one output (the hook's fault
+    handler then disables the candidate, names what the baseline returned, and still returns it)."""
+    if not isinstance(out_b, torch.Tensor):
+        raise TypeError(f"the baseline returned a {type(out_b).__name__}: a ShadowSite compares one output tensor")

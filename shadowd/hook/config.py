@@ -154,7 +154,17 @@ class HookConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> HookConfig:
         e = os.environ if env is None else env
-        mode = parse_mode(e.get("SHADOWD_MODE") or e.get("KDTREE_VERIFY"))
+        mode_key = "SHADOWD_MODE" if e.get("SHADOWD_MODE") else "KDTREE_VERIFY"
+        try:
+            mode = parse_mode(e.get(mode_key))
+        except ValueError as err:
+            raise ValueError(f"{mode_key}: {err}") from None
+        url = e.get("SHADOWD_URL") or None
+        if url is not None:
+            from shadowd.client import url_problem
+
+            if (why := url_problem(url)) is not None:
+                raise ValueError(f"SHADOWD_URL: {url!r}: {why}")
         bundle = e.get("SHADOWD_BUNDLE_DIR")
         spool = e.get("SHADOWD_SPOOL_DIR")
         try:
@@ -171,10 +181,10 @@ class HookConfig:
             spot_every=_int(e, "SHADOWD_SPOT_CHECK", 100, minimum=1),
             oracle_every=_int(e, "SHADOWD_ORACLE", 0, minimum=0),
             oracle_chunk_rows=_int(e, "SHADOWD_ORACLE_CHUNK_ROWS", 64, minimum=1),
-            url=e.get("SHADOWD_URL") or None,
+            url=url,
             token=e.get("SHADOWD_TOKEN") or None,
             run_key=e.get("SHADOWD_RUN_KEY") or None,
-            rank=_int(e, "SHADOWD_RANK", _int(e, "RANK", 0, minimum=0), minimum=0),
+            rank=_int(e, "SHADOWD_RANK", 0, minimum=0) if e.get("SHADOWD_RANK") else _int(e, "RANK", 0, minimum=0),
             stage=_int(e, "SHADOWD_STAGE", 0, minimum=0),
             spool_dir=Path(spool) if spool else Path.home() / ".shadowd" / "spool",
             spool_max_bytes=_int(e, "SHADOWD_SPOOL_MAX_MB", 256, minimum=0) * 2**20,

@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton
 
-from shadowd.hook.arguments import first_tensor, key_of, meta_error
+from shadowd.hook.arguments import expect_tensor, first_tensor, key_of, meta_error
 from shadowd.hook.device import DeviceState, Slot
 from shadowd.hook.diffstats import empty_stats
 from shadowd.hook.launch import (
@@ -176,11 +176,13 @@ def _watch_flag(site: ShadowSite) -> None:
 
 def _oracle_records(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: torch.Tensor,
                     out_b: torch.Tensor, slot: Slot, ds: DeviceState, b: Bucket) -> bool:
-    """Eager validate, 1 in ``oracle_every`` sampled calls: the site's oracle over the original inputs, then
-    candidate vs oracle and baseline vs oracle through the statistics kernel into the ring (fp32, no host
-    synchronisation). True when both records were launched (the call's own record then says so)."""
-    assert site.oracle is not None
-    ref = site.oracle(*args, **kwargs)
+    """Eager validate, 1 in ``oracle_every`` sampled calls: the site's oracle over protected copies of the inputs
+    (``ShadowSite.run_oracle``), then candidate vs oracle and baseline vs oracle through the statistics kernel into
+    the ring (fp32, no host synchronisation). True when both records were launched (the call's own record then
+    says so)."""
+    ref = site.run_oracle(args, kwargs)
+    if ref is None:
+        return False
     if not isinstance(ref, torch.Tensor) or ref.shape != out_b.shape or ref.device != out_b.device:
         raise TypeError(f"oracle output: expected a tensor of shape {tuple(out_b.shape)} on {out_b.device}")
     ref32 = ref.float()
@@ -298,6 +300,7 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
             out_b = _baseline(site, args, kwargs, p, ungated=False)
     else:
         out_b = _baseline(site, args, kwargs, p)
+    expect_tensor(out_b)
     stamp_kernel[(1,)](slot.sstate, 7, USE_TIMER=ds.use_timer, PDL=ds.pdl, **ds.pdl_opts)
     if capturing and code == 1 and site.candidate_gate is not None:  # zero work on replays that do not use it
         gate_args = site.candidate_gate(slot.sstate, args, kwargs)
@@ -338,11 +341,9 @@ def _call(site: ShadowSite, args: tuple[Any, ...], kwargs: dict[str, Any], layer
             rt.fall_back(f"spot check: {err}")
         return out_b
     kind = REC_MAIN
-    if not capturing and code == 1 and site.oracle is not None and cfg.oracle_every > 0:
-        site.oracle_calls += 1
-        if site.oracle_calls % cfg.oracle_every == 0:
-            done, _err = site._isolated("oracle", _oracle_records, site, args, kwargs, out_c, out_b, slot, ds, b)
-            kind = REC_MAIN_ORACLE if done else REC_MAIN
+    if not capturing and code == 1 and site.oracle_due():
+        done, _err = site._isolated("oracle", _oracle_records, site, args, kwargs, out_c, out_b, slot, ds, b)
+        kind = REC_MAIN_ORACLE if done else REC_MAIN
     launch_stats(out_c, out_b, slot.acc, ds.ring, ds.ring_seq, slot.sstate, ds.dstate, valid_rows=b.valid_rows,
                  hard_scaled=cfg.hard_scaled_max_abs, hard_rel_l2=cfg.hard_rel_l2, site_id=slot.site_id, kind=kind,
                  stamp=capturing and ds.use_timer, cand_flag=site.flag_tensor)

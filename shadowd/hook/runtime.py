@@ -18,6 +18,7 @@ first use); every :class:`shadowd.hook.site.ShadowSite` of the process shares it
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -333,11 +334,20 @@ class HookRuntime:
         streamer = Streamer(client, self.run_id, spool, producer=producer, queue_max=cfg.queue_max,
                             batch_max=cfg.batch_max, flush_interval_s=cfg.flush_interval_s,
                             poll_interval_s=cfg.poll_interval_s, on_mode_override=self.set_override,
-                            stats=self.producer_stats, notes=self.producer_notes, rank=cfg.rank, stage=cfg.stage)
+                            stats=self.producer_stats, notes=self.producer_notes, rank=cfg.rank, stage=cfg.stage,
+                            num_layers=body.get("num_layers"))
         if self._device is not None:
             streamer.pollers.append(self._device.poll)
         self.streamer = streamer.start()
+        # at exit, what is still queued is delivered or spooled for the next start (the SGLang plugin does the same)
+        atexit.register(_close_at_exit, weakref.ref(streamer))
         return streamer
+
+
+def _close_at_exit(ref: weakref.ref[Any]) -> None:
+    streamer = ref()
+    if streamer is not None:
+        streamer.close(2.0)
 
 
 def get_runtime() -> HookRuntime:

@@ -24,7 +24,8 @@ of both are compared before and after the candidate: a torch in-place write (int
 recorded as ``error=input_modified`` and the candidate disabled at once. Raw-pointer writes from a custom
 kernel are out of reach in-process; they are excluded before deployment by the kernel's
 sanitizer runs. The baseline always runs first, on the untouched inputs, and its result is copied when it
-shares memory with a shared input (``ShadowSite._protect``).
+shares memory with a shared input (``ShadowSite._protect``). The oracle gets its inputs the same way
+(``ShadowSite.run_oracle``): one that writes into an ``out`` argument never changes the result returned.
 
 Every callback the site does not own — candidate, oracle, sink, bundle writer — runs inside
 :meth:`ShadowSite._isolated`, the one place that handles what they raise. On CUDA tensors the
@@ -45,6 +46,7 @@ import torch
 
 from shadowd.hook.arguments import (
     OUT_KEYS_MAX,
+    expect_tensor,
     first_tensor,
     key_of,
     leaves,
@@ -166,6 +168,8 @@ class ShadowSite:
         self._step_mark = -1  # the runtime's step at this site's previous first-layer call (advances_step)
         self.consecutive_errors = 0
         self.oracle_calls = 0
+        #: why oracle sampling stopped for this process (an oracle that wrote into a shared input), else None
+        self.oracle_off: str | None = None
         self.errors: dict[str, int] = {}
         self._bundles: Any = None
 
@@ -370,6 +374,7 @@ class ShadowSite:
                  base_us: float) -> Any:
         # _shadow after the baseline: the candidate on protected inputs, the statistics, the sample, the result
         rt = self.rt
+        expect_tensor(out_b)
         cargs, ckwargs, watched, out_b = self._protect(args, kwargs, out_b)
         self.learn_output(out_b, args)
         t2 = time.perf_counter_ns()
@@ -400,10 +405,8 @@ class ShadowSite:
         else:
             self.consecutive_errors = 0
         oracle_errs: tuple[float | None, float | None] = (None, None)
-        if mode == "validate" and err is None and self.oracle is not None and rt.config.oracle_every > 0:
-            self.oracle_calls += 1
-            if self.oracle_calls % rt.config.oracle_every == 0:
-                oracle_errs = self._oracle(args, kwargs, out_c, out_b)
+        if mode == "validate" and err is None and self.oracle_due():
+            oracle_errs = self._oracle(args, kwargs, out_c, out_b)
         sample = self._sample(layer, b, stats, error=err, mode=mode, cand_us=(t3 - t2) / 1e3, base_us=base_us,
                               oracle=oracle_errs)
         self._isolated("sink", rt.emit, sample)
@@ -417,11 +420,34 @@ class ShadowSite:
             return out_c
         return out_b
 
+    def run_oracle(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The site's oracle (isolated) on protected inputs, as the candidate gets them: clones of the tensors up to
+        ``clone_max_bytes`` (so an oracle that writes into an ``out`` argument the baseline returned cannot change
+        the result the caller gets), the shared ones watched. An oracle that writes into a shared input is not
+        called again in this process (logged). Returns its output, or None where it raised."""
+        assert self.oracle is not None
+        oargs, okwargs, watched, _ = self._protect(args, kwargs)
+        # (what it writes into its own copies is harmless: an oracle is never served)
+        own = {id(x) for arg in (*args, *kwargs.values()) for x in leaves(arg)}
+        shared = [(t, v) for t, v in watched if id(t) in own]
+        ref, err = self._isolated("oracle", self.oracle, *oargs, **okwargs)
+        if any(t._version != v for t, v in shared):
+            self.oracle_off = "the oracle modified its inputs"
+            log.error("shadowd[%s]: the oracle wrote into a shared input; oracle sampling is off for this process",
+                      self.name)
+        return None if err is not None else ref
+
+    def oracle_due(self) -> bool:
+        """Whether this sampled validate call also runs the oracle (1 in ``oracle_every``; counts the call)."""
+        if self.oracle is None or self.oracle_off is not None or self.rt.config.oracle_every <= 0:
+            return False
+        self.oracle_calls += 1
+        return self.oracle_calls % self.rt.config.oracle_every == 0
+
     def _oracle(self, args: tuple[Any, ...], kwargs: dict[str, Any], out_c: Any, out_b: Any
                 ) -> tuple[float | None, float | None]:
-        assert self.oracle is not None
-        ref, err = self._isolated("oracle", self.oracle, *args, **kwargs)
-        if err is not None or not isinstance(ref, torch.Tensor) or ref.shape != out_b.shape:
+        ref = self.run_oracle(args, kwargs)
+        if not isinstance(ref, torch.Tensor) or ref.shape != out_b.shape:
             return None, None
         rows = self.rt.config.oracle_chunk_rows
         return max_abs_chunked(out_c, ref, rows), max_abs_chunked(out_b, ref, rows)

@@ -19,6 +19,8 @@
   A batch the spool cannot take is dropped and its samples counted in ``dropped``, which
   every later batch reports in ``producer_stats``; an idle producer (traffic stopped before the collector came
   back) reports it in a stats-only batch (``shadowd.wire``) once the spool is delivered.
+* A sample the collector would refuse (``shadowd.wire.sample_problem``: a bad field, a layer beyond the run's)
+  is left out of its batch, logged and counted in ``rejected``, so that it does not take the batch with it.
 * A 4xx answer (bad batch, conflict, unknown run, too big) is logged and the batch dropped and counted in
   ``rejected``: it is never retried. Except a refusal of a producer figure the collector does not know (one
   older than this hook): the figure is left out of this batch, sent again at once, and of every later one.
@@ -56,6 +58,7 @@ from shadowd.wire import (
     encode_msgpack,
     pack_column,
     pack_hist,
+    sample_problem,
 )
 
 __all__ = ["Streamer", "build_batch"]
@@ -77,6 +80,8 @@ if hasattr(os, "register_at_fork"):  # (not on Windows, which cannot fork)
 
 #: spooled batches replayed per round of the thread's loop (the queue is served between rounds)
 REPLAY_ROUND = 16
+#: invalid samples (``Streamer._valid``) logged one by one; later ones are counted only
+INVALID_LOGGED = 5
 #: answers of 500 to one batch (a collector failing on it, not an outage: that is 503) before it is dropped
 BUG_TRIES = 8
 
@@ -140,8 +145,10 @@ class Streamer:
                  on_mode_override: Callable[[str | None], None] | None = None,
                  stats: Callable[[], dict[str, int]] | None = None,
                  notes: Callable[[], dict[str, str]] | None = None, rank: int | None = None,
-                 stage: int = 0) -> None:
+                 stage: int = 0, num_layers: int | None = None) -> None:
         self.client = client
+        #: the run's layer count, when known: a sample of a layer beyond it is refused here, alone
+        self.num_layers = num_layers
         #: the producer's rank, stated in its stats-only batches: the collector files their figures under it when
         #: none of the producer's samples was stored (every one dropped); None: such a producer sends none
         self.rank = rank
@@ -164,7 +171,10 @@ class Streamer:
         # no longer be delivered (the streamer's thread counts) — two counters, one writer each
         self.queue_dropped = 0
         self.spool_dropped = 0
-        self.rejected = 0  # samples in batches the collector refused (4xx), or that kept failing it (500)
+        # samples in batches the collector refused (4xx), or that kept failing it (500), and samples the collector
+        # would refuse (``shadowd.wire.sample_problem``), left out of their batch
+        self.rejected = 0
+        self.invalid = 0  # of those, the samples left out of their batch
         #: producer figures the collector refused as unknown (an older collector): left out of every batch
         self.unknown_fields: set[str] = set()
         self.sent = 0  # samples acknowledged by the collector
@@ -410,7 +420,28 @@ class Streamer:
         return encode_msgpack(build_batch(self.producer, seq, samples, stats, producer_notes=notes, rank=self.rank,
                                               stage=self.stage))
 
+    def _valid(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The samples the collector would take: one it would refuse (a bad field, usually a caller's bucket or
+        layer) is counted in ``rejected``, logged (the first ``INVALID_LOGGED``) and left out, so that it does not
+        take the rest of its batch with it (the collector refuses a batch as a whole)."""
+        good = []
+        for sample in samples:
+            problem = sample_problem(sample, self.num_layers)
+            if problem is None:
+                good.append(sample)
+                continue
+            self.invalid += 1
+            self.rejected += 1
+            if self.invalid <= INVALID_LOGGED:
+                log.warning("shadowd: a sample the collector would refuse was left out (%s: %s)%s", *problem,
+                            "; further ones are counted only" if self.invalid == INVALID_LOGGED else "")
+        return good
+
     def _ship(self, samples: list[dict[str, Any]]) -> None:
+        if samples:  # (none: a stats-only batch, :meth:`_report_idle`)
+            samples = self._valid(samples)
+            if not samples:
+                return
         with self._lock:
             seq = self._next_seq()
         body = self._encode(seq, samples)

@@ -42,6 +42,13 @@ def test_database_url_and_file_errors_are_one_line(tmp_path: Path, capsys: pytes
     assert main(["db", "upgrade", "--db", "bogus://x"]) == EXIT_USAGE
     err = _err(capsys)
     assert "--db / SHADOWD_DB_URL" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    # another database SQLAlchemy knows (its driver not installed), or PostgreSQL through a driver the collector does
+    # not run on: one line too — and for `db current` never its exit 1, which says "schema not current"
+    for argv in (["db", "current"], ["db", "upgrade"], ["serve"]):
+        for url in ("mysql://u@h/d", "postgresql+asyncpg://u@h/d"):
+            assert main([*argv, "--db", url]) == EXIT_USAGE, (argv, url)
+            err = _err(capsys)
+            assert "db_url must be a sqlite:/// or postgresql+psycopg:// URL" in err and len(err.splitlines()) == 1
     missing_dir = tmp_path / "no" / "such" / "dir" / "x.db"
     assert main(["db", "upgrade", "--db", f"sqlite:///{missing_dir}"]) == EXIT_USAGE
     err = _err(capsys)
@@ -63,6 +70,10 @@ def test_a_bad_policy_file_names_the_file_and_the_knob(tmp_path: Path, capsys: p
     assert main(["serve", "--db", db, "--policy", str(policy)]) == EXIT_USAGE
     assert "not valid TOML" in _err(capsys)
     assert main(["serve", "--db", db, "--policy", str(tmp_path / "missing.toml")]) == EXIT_USAGE
+    assert "no such file" in _err(capsys)
+    # on a database not yet migrated the policy file is still what is named (not exit 3, "schema outdated")
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    assert main(["serve", "--db", fresh, "--policy", str(tmp_path / "missing.toml")]) == EXIT_USAGE
     assert "no such file" in _err(capsys)
 
 

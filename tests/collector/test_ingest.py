@@ -231,6 +231,19 @@ def test_nan_statistics_are_kept_and_counted(db_url, make_client):
     assert r.status_code == 200, r.text
     layers = c.get(f"/v1/runs/{run_id}/layers").json()["layers"]
     assert layers[0]["nan_stats"] == 1 and layers[0]["exceeded"] == 1
+    finite = [v for i, v in enumerate(batch["samples"]["rel_l2"]) if i != 2]
+    assert math.isclose(layers[0]["mean_rel_l2"], sum(finite) / 3), "the mean of the finite calls"
+
+
+def test_a_layer_whose_every_statistic_is_infinite_has_no_mean(db_url, make_client):
+    # (an empty sum over n calls read as a mean of 0: a perfect layer in the summary beside a failing verdict)
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=1))
+    batch = make_batch(3, num_layers=1)
+    batch["samples"]["rel_l2"] = [float("inf")] * 3
+    assert post_msgpack(c, run_id, batch).status_code == 200
+    (layer,) = c.get(f"/v1/runs/{run_id}/layers").json()["layers"]
+    assert layer["nan_stats"] == 3 and layer["mean_rel_l2"] is None and layer["mean_max_abs"] is None
 
 
 def test_kill_switch_reaches_ingest_answers(db_url, make_client):

@@ -100,6 +100,12 @@ def _cases():
         ("NUL in the producer", lambda: {**make_batch(6), "producer": "p\x001"}, 422, "producer"),
         ("NUL in a producer note", lambda: {**make_batch(6), "producer_notes": {"disabled_reason": "x\x00y"}}, 422,
          "producer_notes.disabled_reason"),
+        # device times beyond an hour: their sums overflowed (PostgreSQL refused a later, valid batch; SQLite stored
+        # an infinite sum and /readiness answered 500 for the run from then on)
+        ("candidate time of 1e308 µs", lambda: {**make_batch(6), "samples": {
+            **make_batch(6)["samples"], "cand_us": [1.0, 2.0, 1e308, 1.0, 1.0, 1.0]}}, 422, "samples.cand_us[2]"),
+        ("baseline time beyond an hour", lambda: {**make_batch(6), "samples": {
+            **make_batch(6)["samples"], "base_us": [3.6e9 + 1] + [1.0] * 5}}, 422, "samples.base_us[0]"),
         # booleans among numbers (numpy would read true as 1 and store it)
         ("boolean among counts", with_value("nan_cand", 2, True), 422, "samples.nan_cand[2]"),
         ("boolean among statistics", with_value("max_abs", 3, True), 422, "samples.max_abs[3]"),
@@ -341,3 +347,29 @@ def test_sample_times_ahead_of_the_collector_clock_are_refused_past_ones_kept(fr
     assert post_msgpack(c, run_id, make_batch(8, seq=2, ts0=now - 6 * 3600)).status_code == 200  # spooled
     strict = make_client(fresh_sqlite, max_clock_skew_s=10)
     assert post_msgpack(strict, run_id, make_batch(8, seq=3, ts0=time.time() + 60)).status_code == 422
+
+
+def test_a_near_zero_candidate_time_beside_a_long_baseline_leaves_readiness_answering(db_url, make_client):
+    # the speed-up's ratio overflows to inf: it is reported as unknown, and /readiness keeps answering
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=1))
+    b = make_batch(6)
+    b["samples"]["cand_us"] = [1e-300] * 6
+    b["samples"]["base_us"] = [3.6e9] * 6
+    assert post_msgpack(c, run_id, b).status_code == 200
+    r = c.get("/readiness", params={"run_id": run_id})
+    assert r.status_code in (200, 503), r.text
+    assert r.json()["timing"]["speedup"] is None
+
+
+def test_a_stats_only_batch_may_carry_empty_columns_of_every_kind(db_url, make_client):
+    # wire: a batch whose columns are all empty is stats-only, whatever the columns' kinds (integer ones were
+    # refused as "must be a list of integers": numpy makes an empty list a float array)
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=4, tp_size=1))
+    assert post_msgpack(c, run_id, make_batch(2)).status_code == 200
+    empty = {"producer": make_batch(1)["producer"], "seq": 1, "producer_stats": {"dropped": 3},
+             "samples": {col: [] for col in make_batch(1)["samples"]}}
+    r = post_msgpack(c, run_id, empty)
+    assert r.status_code == 200, r.text
+    assert r.json()["accepted"] == 0

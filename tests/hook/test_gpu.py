@@ -732,6 +732,28 @@ def test_gpu_eager_oracle_faults_never_reach_serving() -> None:
             assert math.isnan(s["oracle_cand_err"]) and math.isnan(s["oracle_base_err"])
 
 
+def test_gpu_eager_oracle_writing_into_out_never_changes_the_result() -> None:
+    # baseline and oracle share the signature: an oracle that writes its fp32 answer into the ``out`` buffer the
+    # baseline returned (and into x) gets copies, so the caller's result and inputs stay the baseline's
+    def base_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(gpu_base(x, w))
+
+    def oracle_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        out.fill_(7.0)
+        x.zero_()
+        return gpu_oracle(x, w)
+
+    rt, _sink = make_runtime("validate", oracle_every=1)
+    site = ShadowSite("g", base_into, lambda x, w, out: gpu_cand(x, w), oracle=oracle_into, runtime=rt)
+    x = torch.randn(ROWS, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(K, N, device="cuda").to(torch.bfloat16)
+    x0, out = x.clone(), torch.empty(ROWS, N, dtype=torch.bfloat16, device="cuda")
+    got = site(x, w, out=out, layer=0)
+    assert torch.equal(got, gpu_base(x0, w)) and torch.equal(out, gpu_base(x0, w)) and torch.equal(x, x0)
+    (s,) = _drain(rt)
+    assert s["error"] is None and s["oracle_base_err"] is not None and site.oracle_off is None
+
+
 def _bundles_after_polls(rt, root) -> list:
     for _ in range(3):  # start the snapshot's host copies, then finish it (the streamer's thread does this)
         torch.cuda.synchronize()

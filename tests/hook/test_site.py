@@ -56,6 +56,28 @@ def test_bad_settings_are_refused_naming_the_variable(key: str, value: str, says
         HookConfig.from_env({"SHADOWD_MODE": "on", key: value})
 
 
+@pytest.mark.parametrize("env,says", [
+    ({"SHADOWD_MODE": "bogus"}, "SHADOWD_MODE: mode must be one of"),
+    ({"KDTREE_VERIFY": "bogus"}, "KDTREE_VERIFY: mode must be one of"),
+    ({"SHADOWD_MODE": "1"}, "SHADOWD_MODE: mode '1' is ambiguous"),
+    ({"SHADOWD_URL": "localhost:8787"}, "SHADOWD_URL: 'localhost:8787': not an http:// or https:// URL"),
+    ({"SHADOWD_URL": "ftp://collector"}, "SHADOWD_URL: 'ftp://collector': not an http:// or https:// URL"),
+    ({"SHADOWD_URL": "http://[::1"}, "SHADOWD_URL: 'http://[::1': "),
+    ({"SHADOWD_RANK": "-1", "RANK": "3"}, "SHADOWD_RANK must be >= 0"),
+])
+def test_bad_mode_and_url_are_refused_naming_the_variable(env: dict[str, str], says: str) -> None:
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("[", r"\[")):
+        HookConfig.from_env(env)
+
+
+def test_the_rank_comes_from_shadowd_rank_before_rank() -> None:
+    # (a launcher's RANK is not read when SHADOWD_RANK says it: an unusable RANK does not stop the hook)
+    assert HookConfig.from_env({"SHADOWD_RANK": "1", "RANK": "abc"}).rank == 1
+    assert HookConfig.from_env({"RANK": "2"}).rank == 2
+    assert HookConfig.from_env({"SHADOWD_URL": "https://collector.internal:8787/"}).url == (
+        "https://collector.internal:8787/")
+
+
 def test_off_runs_only_the_baseline() -> None:
     rt, sink = make_runtime("off")
     calls = []
@@ -329,6 +351,54 @@ def test_oracle_errors_recorded() -> None:
     site(x, w, layer=0)
     assert sink[0]["oracle_cand_err"] is None
     assert sink[1]["oracle_cand_err"] > 0 and sink[1]["oracle_base_err"] > 0
+
+
+def base_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A baseline that writes into the buffer it is given and returns it (as SGLang's attention does)."""
+    out.copy_(base_fn(x, w))
+    return out
+
+
+@pytest.mark.parametrize("shared", [(), ("out",)])
+def test_an_oracle_writing_into_its_arguments_never_changes_the_result(shared: tuple[str, ...]) -> None:
+    # the oracle takes the same arguments as the baseline: one that writes its answer into ``out`` (and scribbles
+    # on ``x``) must leave the caller's result and inputs as the baseline made them, whether ``out`` is small
+    # enough to be copied or a shared buffer
+    def oracle_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        out.copy_((x.float() @ w.float() + 1000).to(out.dtype))
+        x.add_(100)
+        return x.float() @ w.float()
+
+    rt, sink = make_runtime("validate", oracle_every=1)
+    site = ShadowSite("s", base_into, lambda x, w, out: cand_fn(x, w), oracle=oracle_into, runtime=rt,
+                      shared=shared)
+    x, w = inputs()
+    x0 = x.clone()
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.bfloat16)
+    got = site(x, w, out=out, layer=0)
+    assert torch.equal(got, base_fn(x0, w)) and torch.equal(x, x0)
+    if not shared:  # the buffer was copied for the oracle: the caller's holds the baseline's result too
+        assert torch.equal(out, base_fn(x0, w))
+        assert sink[-1]["oracle_cand_err"] is not None and site.oracle_off is None
+    else:  # a shared buffer is watched: the oracle wrote into it, so it is not called again
+        assert site.oracle_off == "the oracle modified its inputs"
+        calls = site.oracle_calls
+        assert torch.equal(site(x0.clone(), w, out=torch.zeros_like(out), layer=0), base_fn(x0, w))
+        assert site.oracle_calls == calls and sink[-1]["oracle_cand_err"] is None
+        assert sink[-1]["error"] is None and not rt.disabled  # the candidate is not blamed
+
+
+def test_a_baseline_returning_a_tuple_is_a_named_hook_fault_and_its_result_returns() -> None:
+    def base_pair(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return base_fn(x, w), x.float().sum(1)
+
+    rt, sink = make_runtime("validate")
+    site = ShadowSite("s", base_pair, lambda x, w: (cand_fn(x, w), x.float().sum(1)), runtime=rt)
+    x, w = inputs()
+    out, lse = site(x, w, layer=0)
+    assert torch.equal(out, base_fn(x, w)) and torch.equal(lse, x.float().sum(1))
+    assert sink[-1]["error"] == "hook:TypeError" and rt.disabled
+    assert "the baseline returned a tuple: a ShadowSite compares one output tensor" in (rt.disabled_reason or "")
 
 
 def test_bundle_saved_bounded_and_replayed(tmp_path: Path) -> None:

@@ -400,6 +400,45 @@ def test_spool_files_are_exact_bodies(tmp_path: Path) -> None:
     assert decode_msgpack(b"\x90") == []
 
 
+@pytest.mark.parametrize("field,value", [
+    ("prefix_len", -1), ("batch_size", 0), ("batch_size", 2**40), ("draft_tokens", 2**31), ("heads", 0),
+    ("layer", -2), ("step", 2**60), ("numel", -1), ("ts", float("nan")), ("ts", 1.7e12), ("cand_us", -1.0),
+    ("base_us", 1e308), ("nan_cand", -3), ("hist", [-1] * HIST_BINS), ("mode", "off"), ("error", "e" * 201),
+    ("new_requests", -3), ("max_abs", -1.0),
+])
+def test_what_the_hook_leaves_out_is_what_the_collector_refuses(field: str, value: Any) -> None:
+    from shadowd.collector.batch import BadBatch
+    from shadowd.wire import sample_problem
+
+    good = sample(0)
+    assert sample_problem(good) is None
+    parse_batch(decode_msgpack(encode_msgpack(build_batch("p", 0, [good]))))
+    bad = dict(good, **{field: value})
+    problem = sample_problem(bad)
+    assert problem is not None and problem[0] == field
+    with pytest.raises(BadBatch) as e:
+        parse_batch(decode_msgpack(encode_msgpack(build_batch("p", 0, [bad]))))
+    assert e.value.field.startswith(f"samples.{field}")
+
+
+def test_a_sample_the_collector_would_refuse_is_left_out_not_its_batch(collector: Collector, tmp_path: Path) -> None:
+    # the collector refuses a batch as a whole: one caller's bad bucket must not cost the good samples beside it
+    client = CollectorClient(collector.url, timeout=2.0)
+    run_id = client.register_run(run_body("one-bad"))["id"]
+    st = Streamer(client, run_id, Spool(tmp_path / "s", 2**20), flush_interval_s=0.05, num_layers=4)
+    bad = [dict(sample(100), prefix_len=-1), dict(sample(101), layer=4), dict(sample(102), batch_size=2**40),
+           dict(sample(103), hist=[1, 2, 3]), dict(sample(104), cand_us=1e308)]
+    for i in range(10):  # queued before the thread starts: one batch of 15
+        st.submit(sample(i))
+        if i < len(bad):
+            st.submit(bad[i])
+    st.start()
+    assert st.flush(20)
+    st.close()
+    assert st.sent == 10 and st.rejected == st.invalid == 5 and st.dropped == 0
+    assert client.get_run(run_id)["samples"] == 10
+
+
 def test_start_streaming_registers_applies_kill_switch_and_delivers(collector: Collector, tmp_path: Path) -> None:
     from shadowd.hook.config import HookConfig
     from shadowd.hook.runtime import HookRuntime
@@ -418,6 +457,29 @@ def test_start_streaming_registers_applies_kill_switch_and_delivers(collector: C
     assert st.flush(30)
     st.close()
     assert admin.get_run(run_id)["samples"] == 4
+
+
+def test_a_process_that_exits_without_closing_its_streamer_loses_nothing(collector: Collector, tmp_path: Path) -> None:
+    # outside SGLang (whose plugin closes its streamer at exit) start_streaming's streamer is closed at exit too:
+    # what is still queued when the process ends is delivered, not lost with the daemon thread
+    import subprocess
+    import sys
+
+    script = f"""
+from shadowd.hook.config import HookConfig
+from shadowd.hook.runtime import HookRuntime
+from tests.hook.conftest import run_body
+from tests.hook.test_streamer import sample
+rt = HookRuntime(HookConfig(mode="validate", url={collector.url!r}, run_key="atexit",
+                            spool_dir={str(tmp_path / "spool")!r}, flush_interval_s=0.05))
+st = rt.start_streaming({{k: v for k, v in run_body("x").items() if k != "run_key"}})
+for i in range(200):
+    st.submit(sample(i, layer=i % 4))
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    admin = CollectorClient(collector.url)
+    run_id = admin.register_run(run_body("atexit"))["id"]  # (idempotent per run key: the subprocess's run)
+    assert admin.get_run(run_id)["samples"] == 200
 
 
 def test_why_the_candidate_was_disabled_reaches_the_collector(collector: Collector, tmp_path: Path) -> None:
