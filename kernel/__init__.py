@@ -165,17 +165,20 @@ def tree_verify(
         sm_scale:    softmax scale (MLA: 192**-0.5 times mscale**2 - not 576**-0.5).
         out:         optional bf16 [ΣT, H, 512] output (last dim contiguous); allocated if None.
         lse:         optional fp32 [ΣT, H]: natural-log sum-exp of the scaled visible logits.
-        workspace:   optional uint8/float32 CUDA tensor of >= workspace_size(B, ΣT, H, num_splits) bytes;
+        workspace:   optional CUDA tensor (any dtype) of >= workspace_size(B, ΣT, H, num_splits) bytes;
                      allocated if needed and None (pass one when capturing CUDA graphs).
         error_flag:  optional int32 [1] CUDA tensor; bits are OR-ed in (see ERROR_BITS), never cleared.
-        max_q_len:   upper bound of T_b (default ΣT); launch shape depends on it, not on device data.
+        max_q_len:   upper bound of T_b (default ΣT); launch shape depends on it, not on device data.  The grid
+                     holds ceil(max_q_len * H / 64) <= 65535 row tiles (and B <= 65535 requests): pass it
+                     when ΣT * H is larger (ΣT 32768 at H 128, say).
         num_splits:  KV splits (default: choose_num_splits from shapes; reduced to fit ``workspace``).
         nonfinite_flag: optional int32 [1] CUDA tensor, set to 1 when an element written to ``out`` is NaN or
                      +-Inf (what the inputs give - a NaN in a visible KV row, say - not an argument error; a
                      caller may compare such a call against a reference), never cleared.
 
-    Returns ``out``.  Host-side checks only (dtype, device, shape, strides): no device reads,
-    no synchronisation, so the call is CUDA-graph capturable given static ``out``/``workspace``.
+    Returns ``out`` (ΣT = 0 or B = 0: nothing is launched).  Host-side checks only (dtype, device, shape,
+    strides): no device reads, no synchronisation, so the call is CUDA-graph capturable given static
+    ``out``/``workspace``.
     """
     import torch
 
@@ -184,7 +187,7 @@ def tree_verify(
     # the launch's integers (max_q_len 0 launched nothing and left `out` unwritten; num_splits out of range was
     # clamped silently)
     if max_q_len is not None:
-        max_q_len = _whole(max_q_len, "max_q_len", 1, None, "an upper bound of every request's draft tokens")
+        max_q_len = _whole(max_q_len, "max_q_len", 1, 2**31 - 1, "an upper bound of every request's draft tokens")
     if num_splits is not None:
         num_splits = _whole(num_splits, "num_splits", 1, MAX_SPLITS, "KV splits per (request, row tile)")
     validate_args(
@@ -210,6 +213,15 @@ def tree_verify(
         max_q_len = total_tokens
     if out is None:
         out = torch.empty((total_tokens, heads, D_V), dtype=torch.bfloat16, device=q.device)
+    if total_tokens == 0 or batch == 0:  # nothing to compute (empty tensors' pointers may be NULL: no launch)
+        return out
+    # the grid: one CTA row per BM query rows of the longest request, one CTA layer per request (CUDA's 65535)
+    if batch > 65535:
+        raise ArgumentError("qo_indptr", f"{batch} requests in one call: at most 65535")
+    if -(-max_q_len * heads // block_m()) > 65535:
+        raise ArgumentError("max_q_len", f"max_q_len {max_q_len} x {heads} heads is more than 65535 tiles of "
+                                         f"{block_m()} query rows: pass max_q_len, the longest request's draft tokens"
+                                         " (it defaults to every request's together)")
     if num_splits is None:
         hint = kv_indices.shape[0] // max(batch, 1) + max_q_len
         num_splits = choose_num_splits(batch, max_q_len, heads, hint, _sm_count(q.device), block_m())

@@ -34,8 +34,16 @@ def extra_flags() -> tuple[str, ...]:
 
 
 def find_nvcc() -> str | None:
-    """Path of nvcc: $NVCC, $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda/bin/nvcc; else None."""
-    cands = [os.environ.get("NVCC")]
+    """Path of nvcc: $NVCC, $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda/bin/nvcc; else None. A $NVCC that is set but
+    is no executable file raises RuntimeError naming it (another nvcc found instead would build something else
+    than asked for)."""
+    nvcc = os.environ.get("NVCC")
+    if nvcc:
+        if os.path.isfile(nvcc) and os.access(nvcc, os.X_OK):
+            return nvcc
+        raise RuntimeError(f"$NVCC is {nvcc!r}, which is not an executable file (unset it to search $CUDA_HOME, PATH "
+                           "and /usr/local/cuda)")
+    cands: list[str | None] = []
     for env in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(env):
             cands.append(os.path.join(os.environ[env], "bin", "nvcc"))

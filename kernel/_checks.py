@@ -10,11 +10,17 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import struct
 from collections.abc import Callable
 from typing import Any
 
 INDEX_DTYPES = ("torch.int32", "torch.int64")
 MASK_DTYPES = ("torch.bool", "torch.uint8")
+
+
+#: the smallest and largest float64 values that stay positive and finite in float32 (the fast path's bounds; the
+#: smallest positive subnormal rounds up from just above half of it)
+_F32_MIN, _F32_MAX = 2.0**-149, 3.4028234663852886e38
 
 
 class ArgumentError(ValueError):
@@ -26,9 +32,15 @@ class ArgumentError(ValueError):
 
 
 def scale_ok(x: object) -> bool:
-    """``sm_scale``: a finite positive real number (numpy scalars too; not a bool)."""
-    return (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
-            and float(x) > 0)
+    """``sm_scale``: a real number (numpy scalars too; not a bool) that is finite and positive as the kernel's
+    float32 takes it (1e300 would be inf there, 1e-60 zero)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        f32 = struct.unpack("f", struct.pack("f", float(x)))[0]
+    except (OverflowError, ValueError):  # (beyond float64, or beyond float32's range)
+        return False
+    return math.isfinite(f32) and f32 > 0
 
 
 def _need(cond: bool, name: str, msg: str | Callable[[], str]) -> None:
@@ -83,7 +95,6 @@ def _accepts(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mas
     checks would pass too; on False they run and name what is wrong.  An eager call pays these checks on every
     launch, so the common case is kept to attribute reads and comparisons (~2.5x faster than the labelled checks;
     ``tests/kernel/test_checks_cpu.py`` holds the two to the same answers)."""
-    import math
 
     import torch
 
@@ -119,7 +130,7 @@ def _accepts(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_mas
             if (not isinstance(x, t) or x.dtype not in index_dtypes or x.dim() != 1
                     or (length >= 0 and x.shape[0] != length) or (x.shape[0] > 1 and x.stride(0) != 1)):
                 return False
-        if not (math.isfinite(sm_scale) and sm_scale > 0 if type(sm_scale) is float else scale_ok(sm_scale)):
+        if not (_F32_MIN <= sm_scale <= _F32_MAX if type(sm_scale) is float else scale_ok(sm_scale)):
             return False
         if out is not None:
             if not isinstance(out, t) or out.dtype != bf16 or tuple(out.shape) != (total, heads, 512):
@@ -218,7 +229,8 @@ def _labelled(q, k_draft, kv_buffer, qo_indptr, kv_indptr, kv_indices, custom_ma
         _need(custom_mask.shape[0] <= 1 or custom_mask.stride(0) == 1, "custom_mask", "must be contiguous")
         _need(mask_indptr is not None, "mask_indptr", "required when custom_mask is given")
         _index(mask_indptr, "mask_indptr", batch + 1)
-    _need(scale_ok(sm_scale), "sm_scale", lambda: f"expected a finite positive real number, got {sm_scale!r}")
+    _need(scale_ok(sm_scale), "sm_scale",
+          lambda: f"expected a finite positive real number (in float32, as the kernel takes it), got {sm_scale!r}")
     if out is not None:
         _tensor(out, "out")
         _dtype(out, "out", ("torch.bfloat16",))

@@ -170,9 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mla_tree_verify.compile_check", description=__doc__)
     ap.add_argument("--arch", action="append", help="SM numbers to compile (default 120 and 90)")
     ns = ap.parse_args(argv)
-    nvcc = find_nvcc()
+    try:
+        nvcc = find_nvcc()
+    except RuntimeError as e:  # ($NVCC set to something that is not nvcc)
+        print(f"compile_check: {e}", file=sys.stderr)
+        return 2
     if nvcc is None:
-        print("compile_check: nvcc not found", file=sys.stderr)
+        print("compile_check: nvcc not found (set $NVCC or $CUDA_HOME)", file=sys.stderr)
         return 2
     archs = tuple(ns.arch) if ns.arch else ("120", "90")
     if "120" not in archs:
@@ -180,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reports = compile_reports(nvcc, archs)
     except (RuntimeError, subprocess.CalledProcessError) as e:
-        print(f"compile_check: {e}", file=sys.stderr)
+        # (nvcc's own words: an unknown flag in MLA_TREE_VERIFY_NVCC_FLAGS, a compile error)
+        detail = (getattr(e, "stderr", None) or "").strip()
+        print(f"compile_check: {e}" + (f"\n{detail}" if detail else ""), file=sys.stderr)
         return 2
     print(format_table(reports))
     fails = check(reports)

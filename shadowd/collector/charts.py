@@ -1,7 +1,7 @@
 """The status page's inline SVG charts: the per-layer heatmap and exceedance over time.
 
 Pure functions of the rollup slots that ``routers.status`` reads (dicts with ``t``, ``layer``, ``n``,
-``n_exceed``, ``n_cand_nonfinite``, ``n_base_nonfinite``, ``n_error``, ``n_nan_stat`` and ``max_rel_l2``); no
+``n_exceed``, ``n_cand_nonfinite``, ``n_base_nonfinite``, ``n_error``, ``n_nan_unexplained`` and ``max_rel_l2``); no
 database, no web framework.
 """
 
@@ -57,10 +57,7 @@ def short_time(ts: float) -> str:
 def _flagged(s: dict[str, Any]) -> bool:
     """A slot with a candidate-only non-finite call, a candidate error, or NaN statistics that neither explains
     (the tolerance criterion's unexplained NaN): drawn dark red whatever its largest rel-L2."""
-    if s.get("n_cand_nonfinite") or s.get("n_error"):
-        return True
-    explained = int(s.get("n_base_nonfinite") or 0)
-    return int(s.get("n_nan_stat") or 0) > explained
+    return bool(s.get("n_cand_nonfinite") or s.get("n_error") or s.get("n_nan_unexplained"))
 
 
 def heatmap_svg(slots: list[dict[str, Any]], num_layers: int, tolerance: float) -> str:

@@ -134,7 +134,8 @@ class Evaluator:
                 if self._unchanged(prev, run):  # the same evidence judges the same: nothing stored again
                     assert prev is not None
                     if self.metrics is not None:
-                        self.metrics.set_verdict(run_id, str(run.get("candidate_name", "")), prev["verdict"], False)
+                        self.metrics.set_verdict(run_id, str(run.get("candidate_name", "")), prev["verdict"], False,
+                                                 stored=False)
                     out[run_id] = prev["verdict"]
                     continue
                 out[run_id] = self.evaluate(run_id, now)["verdict"]

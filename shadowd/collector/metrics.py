@@ -106,11 +106,14 @@ class CollectorMetrics:
         (``shadowd.wire.SENT_AT_HEADER``)."""
         self.clock_offset.labels(str(run_id), str(stage), str(rank)).set(offset_s)
 
-    def set_verdict(self, run_id: int, candidate: str, verdict: str, changed: bool) -> None:
+    def set_verdict(self, run_id: int, candidate: str, verdict: str, changed: bool, stored: bool = True) -> None:
+        """The run's verdict gauges; ``stored``: an evaluation was stored (counted), not a pass whose unchanged
+        evidence kept the previous one."""
         run = str(run_id)
         for v in ("READY", "NOT_READY", "INSUFFICIENT_DATA"):
             self.verdict.labels(run, candidate, v).set(1.0 if v == verdict else 0.0)
-        self.evaluations.labels(run).inc()
+        if stored:
+            self.evaluations.labels(run).inc()
         if changed:
             self.verdict_changes.labels(run).inc()
 

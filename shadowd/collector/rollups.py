@@ -33,8 +33,11 @@ from shadowd.judge.policy import Policy
 __all__ = ["CAPPED", "COUNTERS", "HIST_STATS", "I64_MAX", "MAXES", "SUMS", "Deltas", "Rows", "compared",
            "compute_deltas"]
 
+#: ``n_nan_unexplained``: calls with a non-finite statistic and neither a non-finite output on either side nor a
+#: candidate error to explain it (the tolerance criterion's failures; counted per call: a baseline event in the same
+#: cell explains only its own call)
 COUNTERS = ("n", "n_exceed", "n_error", "n_cand_nonfinite", "n_base_nonfinite", "n_nan_stat", "numel",
-            "n_oracle", "n_timed")
+            "n_oracle", "n_timed", "n_nan_unexplained")
 SUMS = ("sum_max_abs", "sum_rel_l2", "sum_cos_diff", "sum_scaled", "sum_cand_us", "sum_base_us")
 #: counters summed from values that may be large (element counts, ≤ 2^48 a call): their sums stop at I64_MAX (in a
 #: batch's deltas and in the stored rollups: see Upserter's ``capped``) instead of wrapping around or overflowing
@@ -231,6 +234,8 @@ def _measures(b: ValidBatch, exceeded: np.ndarray, scaled: np.ndarray, ratio: np
         "numel": c["numel"].astype(np.float64),
         "n_oracle": oracle.astype(np.float64),
         "n_timed": timed.astype(np.float64),
+        "n_nan_unexplained": (nan_stat & ~err & (c["cand_nonfinite"] == 0) & (c["base_nonfinite"] == 0)
+                              ).astype(np.float64),
         "sum_max_abs": finite(c["max_abs"]),
         "sum_rel_l2": finite(c["rel_l2"]),
         "sum_cos_diff": finite(c["cos_diff"]),

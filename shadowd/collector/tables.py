@@ -213,6 +213,7 @@ _cell_counters = (
     "numel",
     "n_oracle",
     "n_timed",
+    "n_nan_unexplained",
 )
 _cell_sums = ("sum_max_abs", "sum_rel_l2", "sum_cos_diff", "sum_scaled", "sum_cand_us", "sum_base_us")
 _cell_maxes = ("max_max_abs", "max_rel_l2", "max_cos_diff", "max_max_rel", "max_scaled",

@@ -37,7 +37,8 @@ class RunRollups:
       last_sample_ts, ...).
     - ``cells``: rows of rollup_cells — per (layer, bs_bucket, t_bucket, prefix_bucket, heads):
       counters n, n_exceed, n_error, n_cand_nonfinite, n_base_nonfinite, n_nan_stat, numel,
-      n_oracle, n_timed; sums sum_max_abs, sum_rel_l2, sum_cos_diff, sum_scaled, sum_cand_us,
+      n_oracle, n_timed, n_nan_unexplained (calls with a non-finite statistic that no non-finite output or error
+      of their own explains); sums sum_max_abs, sum_rel_l2, sum_cos_diff, sum_scaled, sum_cand_us,
       sum_base_us; maxima max_max_abs, max_rel_l2, max_cos_diff, max_max_rel, max_scaled,
       max_oracle_cand, max_oracle_base, max_oracle_ratio; first_ts, last_ts.
     - ``slots``: rows of rollup_time — per (layer, t) with the same counters/sums/maxima.

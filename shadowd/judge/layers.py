@@ -43,8 +43,7 @@ def _cell_problems(r: RunRollups, p: Policy, layer_means: dict[int, dict[str, fl
             m = mean_of(float(c.get(col) or 0.0), n)
             if not_le(m, p.tol(tol)):
                 bad[(lay, name)].append((m, bucket_label(c)))
-        explained = sum(float(c.get(k) or 0.0) for k in ("n_base_nonfinite", "n_cand_nonfinite", "n_error"))
-        unexplained = float(c.get("n_nan_stat") or 0.0) - explained
+        unexplained = float(c.get("n_nan_unexplained") or 0.0)
         if unexplained > 0:
             nan[lay] += int(unexplained)
     out: dict[int, list[str]] = defaultdict(list)

@@ -151,12 +151,19 @@ def load_policy(path: Path | str | None, environ: Mapping[str, str] | None = Non
     """
     data: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
+        kind = "TOML" if Path(path).suffix.lower() == ".toml" else "JSON"
         try:
-            data = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise PolicyError(f"policy file {path}: not UTF-8 text") from None
+        except IsADirectoryError:
+            raise PolicyError(f"policy file {path}: a directory, not a file") from None
+        try:
+            data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise PolicyError(f"policy file {path}: not valid {'TOML' if Path(path).suffix == '.toml' else 'JSON'}: "
-                              f"{exc}") from None
+            raise PolicyError(f"policy file {path}: not valid {kind}: {exc}") from None
+        if not isinstance(data, dict):
+            raise PolicyError(f"policy file {path}: expected a table of knobs (an object), got {type(data).__name__}")
         data.pop("description", None)
     env = policy_from_env(environ)
     data.update(env)

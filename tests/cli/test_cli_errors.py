@@ -71,6 +71,20 @@ def test_a_bad_policy_file_names_the_file_and_the_knob(tmp_path: Path, capsys: p
     assert "not valid TOML" in _err(capsys)
     assert main(["serve", "--db", db, "--policy", str(tmp_path / "missing.toml")]) == EXIT_USAGE
     assert "no such file" in _err(capsys)
+    # files that parse but hold no table of knobs, that are no text, or no file at all: one line too
+    bad = {"list.json": b"[1, 2]", "null.json": b"null", "latin1.toml": "confidence = 0.9 # \xe9".encode("latin-1")}
+    for name, content in bad.items():
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / "dir.toml").mkdir()
+    for name, says in (("list.json", "expected a table of knobs"), ("null.json", "expected a table of knobs"),
+                       ("latin1.toml", "not UTF-8"), ("dir.toml", "a directory")):
+        assert main(["serve", "--db", db, "--policy", str(tmp_path / name)]) == EXIT_USAGE, name
+        err = _err(capsys)
+        assert says in err and "Traceback" not in err and len(err.splitlines()) == 1, (name, err)
+    upper = tmp_path / "P.TOML"  # (the suffix in capitals is TOML too)
+    upper.write_text("confidence = [\n")
+    assert main(["serve", "--db", db, "--policy", str(upper)]) == EXIT_USAGE
+    assert "not valid TOML" in _err(capsys)
     # on a database not yet migrated the policy file is still what is named (not exit 3, "schema outdated")
     fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
     assert main(["serve", "--db", fresh, "--policy", str(tmp_path / "missing.toml")]) == EXIT_USAGE

@@ -235,6 +235,25 @@ def test_nan_statistics_are_kept_and_counted(db_url, make_client):
     assert math.isclose(layers[0]["mean_rel_l2"], sum(finite) / 3), "the mean of the finite calls"
 
 
+def test_a_baseline_event_explains_only_its_own_calls_nan_statistics(db_url, make_client):
+    # one call with an infinite rel-L2 and nothing non-finite to explain it, one baseline event (finite statistics)
+    # in the same cell: the cell keeps one unexplained call (the judge's tolerance failure), not 1 - 1 = 0
+    c = make_client(db_url)
+    run_id = register(c, run_body(num_layers=1))
+    batch = make_batch(4, num_layers=1, shapes=[(1, 16, 32768, 8)])
+    batch["samples"]["rel_l2"][1] = float("inf")
+    batch["samples"]["base_nonfinite"][2] = 3
+    batch["samples"]["nan_base"][2] = 3
+    assert post_msgpack(c, run_id, batch).status_code == 200
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        (cell,) = conn.execute(select(t.cells).where(t.cells.c.run_id == run_id)).mappings().all()
+        slots = conn.execute(select(t.timeslots.c.n_nan_unexplained).where(t.timeslots.c.run_id == run_id)).all()
+    engine.dispose()
+    assert (cell["n_nan_stat"], cell["n_base_nonfinite"], cell["n_nan_unexplained"]) == (1, 1, 1)
+    assert sum(r[0] for r in slots) == 1
+
+
 def test_a_layer_whose_every_statistic_is_infinite_has_no_mean(db_url, make_client):
     # (an empty sum over n calls read as a mean of 0: a perfect layer in the summary beside a failing verdict)
     c = make_client(db_url)

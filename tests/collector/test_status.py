@@ -12,7 +12,7 @@ from tests.factories import make_batch, run_body
 
 def _slot(layer: int, t: int, **over: float) -> dict[str, float]:
     row = {"layer": layer, "t": t, "n": 10, "n_exceed": 0, "n_cand_nonfinite": 0, "n_base_nonfinite": 0,
-           "n_error": 0, "n_nan_stat": 0, "max_rel_l2": 1e-3, "sum_rel_l2": 1e-2}
+           "n_error": 0, "n_nan_stat": 0, "n_nan_unexplained": 0, "max_rel_l2": 1e-3, "sum_rel_l2": 1e-2}
     row.update(over)
     return row
 
@@ -37,7 +37,7 @@ def test_heatmap_of_few_layers_keeps_one_row_each() -> None:
 def test_heatmap_marks_unexplained_nan_statistics() -> None:
     """A NaN statistic counts as exceeding and fails the tolerance criterion unless a non-finite output explains
     it: its cell is dark red, not coloured by the finite calls' largest rel-L2."""
-    nan = heatmap_svg([_slot(0, 0, n_nan_stat=1)], 1, 1.6e-2)
+    nan = heatmap_svg([_slot(0, 0, n_nan_stat=1, n_nan_unexplained=1)], 1, 1.6e-2)
     assert f'fill="{DARK_RED}"><title>layer 0' in nan and "NaN statistic" in nan
     explained = heatmap_svg([_slot(0, 0, n_nan_stat=1, n_base_nonfinite=1)], 1, 1.6e-2)
     assert f'fill="{DARK_RED}"><title>layer 0' not in explained

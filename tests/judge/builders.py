@@ -21,7 +21,7 @@ def cell(layer: int, n: float, rel: float = 3e-3, bucket: tuple[int, int, int, i
     row: dict[str, Any] = {
         "layer": layer, "bs_bucket": bucket[0], "t_bucket": bucket[1], "prefix_bucket": bucket[2],
         "heads": bucket[3], "n": n, "n_exceed": 0, "n_error": 0, "n_cand_nonfinite": 0, "n_base_nonfinite": 0,
-        "n_nan_stat": 0, "numel": n * 1000, "n_oracle": 0, "n_timed": 0,
+        "n_nan_stat": 0, "n_nan_unexplained": 0, "numel": n * 1000, "n_oracle": 0, "n_timed": 0,
         "sum_max_abs": n * rel, "sum_rel_l2": n * rel, "sum_cos_diff": n * rel * rel / 2, "sum_scaled": n * rel,
         "sum_cand_us": 0.0, "sum_base_us": 0.0, "max_max_abs": rel, "max_rel_l2": rel,
         "max_cos_diff": rel * rel / 2, "max_max_rel": rel, "max_scaled": rel, "max_oracle_cand": 0.0,

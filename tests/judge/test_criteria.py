@@ -117,9 +117,13 @@ def test_nan_statistic_is_a_failure_never_a_pass(col: str) -> None:
 
 
 def test_unexplained_nan_statistics_fail() -> None:
-    rep = judge(rollups(cells=[cell(0, 1000, n_nan_stat=1), cell(1, 1000)]), SMALL)
+    rep = judge(rollups(cells=[cell(0, 1000, n_nan_stat=1, n_nan_unexplained=1), cell(1, 1000)]), SMALL)
     assert criterion(rep, "tolerance")["status"] == "fail"
     assert rep["verdict"] == NOT_READY
+    # a baseline event of another call in the same cell does not explain it away (it was 1 - 1 = 0: READY)
+    hidden = cell(0, 1000, n_nan_stat=1, n_base_nonfinite=1, n_nan_unexplained=1)
+    rep = judge(rollups(cells=[hidden, cell(1, 1000)]), SMALL)
+    assert criterion(rep, "tolerance")["status"] == "fail" and rep["verdict"] == NOT_READY
 
 
 def test_policy_exceeds_nan_is_exceeding_unless_baseline_event() -> None:

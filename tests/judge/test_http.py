@@ -301,6 +301,8 @@ def test_the_cadence_does_not_store_the_same_evaluation_again_for_an_idle_run(en
     for _ in range(3):
         assert env.evaluator.evaluate_active() == {rid: "INSUFFICIENT_DATA"}
     assert stored() == 1, "nothing new: not evaluated again"
+    # the counter says how many evaluations were stored, not how many passes looked at the run
+    assert env.metric("shadowd_readiness_evaluations_total", {"run": str(rid)}) == 1.0
     assert env.metric("shadowd_readiness_verdict", {"run": str(rid), "candidate": "kdtree-verify",
                                                     "verdict": "INSUFFICIENT_DATA"}) == 1.0
     env.post(rid, 200, 200, t0=time.time() - 50)

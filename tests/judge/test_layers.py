@@ -39,7 +39,7 @@ def test_a_bucket_beyond_tolerance_in_a_layer_within_it_on_average() -> None:
 
 
 def test_unexplained_nan_statistics_mark_the_layer() -> None:
-    cells = [cell(0, 1000, n_nan_stat=3), cell(1, 1000)]
+    cells = [cell(0, 1000, n_nan_stat=3, n_nan_unexplained=3), cell(1, 1000)]
     report, rows = _check_agrees(rollups(cells=cells))
     assert report["failing_layers"] == [0]
     assert rows[0]["status"] == "fail" and any("NaN" in x for x in rows[0]["problems"]), rows[0]

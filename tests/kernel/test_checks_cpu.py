@@ -63,6 +63,10 @@ def test_valid_args_pass():
         ("mask_indptr", lambda a: a["mask_indptr"].to(torch.int16)),
         ("sm_scale", lambda a: float("nan")),
         ("sm_scale", lambda a: -1.0),
+        # finite in float64, not in the kernel's float32 (inf there, or 0), or beyond float64 altogether
+        ("sm_scale", lambda a: 1e300),
+        ("sm_scale", lambda a: 1e-60),
+        ("sm_scale", lambda a: 10**400),
     ],
 )
 def test_bad_argument_is_named(name, bad):
@@ -179,6 +183,9 @@ def _variants():
     yield "sm_scale nan", dict(sm_scale=float("nan"))
     yield "sm_scale negative", dict(sm_scale=-1.0)
     yield "sm_scale str", dict(sm_scale="0.1")
+    yield "sm_scale beyond float32", dict(sm_scale=1e39)
+    yield "sm_scale below float32", dict(sm_scale=1e-46)
+    yield "sm_scale tiny in float32", dict(sm_scale=1e-40)
     yield "out width", dict(out=torch.empty(5, 2, 511, dtype=torch.bfloat16))
     yield "out fp32", dict(out=torch.empty(5, 2, 512, dtype=torch.float32))
     yield "out odd stride", dict(out=torch.empty(5, 2, 513, dtype=torch.bfloat16)[:, :, :512])
@@ -214,7 +221,7 @@ def test_fast_acceptance_agrees_with_the_labelled_checks(name, over):
     accepted = _accepts(*args, False)
     assert not accepted or ok, f"{name}: accepted what the labelled checks refuse"
     if name in ("valid", "causal", "causal, stray mask_indptr", "uint8 mask, int64 indptr", "outputs given",
-                "2-D k and kv", "q a strided view", "int sm_scale", "numpy sm_scale"):
+                "2-D k and kv", "q a strided view", "int sm_scale", "numpy sm_scale", "sm_scale tiny in float32"):
         assert accepted and ok, name
     else:  # (a bool sm_scale, 0-stride outputs: refused by both, named by the labelled checks)
         assert not ok, f"{name}: expected the labelled checks to refuse it"
@@ -222,7 +229,9 @@ def test_fast_acceptance_agrees_with_the_labelled_checks(name, over):
 
 @pytest.mark.parametrize("kw,name", [(dict(max_q_len=0), "max_q_len"), (dict(max_q_len=2.5), "max_q_len"),
                                      (dict(max_q_len=True), "max_q_len"), (dict(num_splits=0), "num_splits"),
-                                     (dict(num_splits=10**6), "num_splits")])
+                                     (dict(num_splits=10**6), "num_splits"),
+                                     # (a c_int32: 2^32 + 1 became 1, and the kernel dropped rows)
+                                     (dict(max_q_len=2**31), "max_q_len"), (dict(max_q_len=2**32 + 1), "max_q_len")])
 def test_launch_integers_are_checked_naming_them(kw, name):
     # max_q_len 0 launched nothing and returned an unwritten output; num_splits out of range was clamped silently.
     # (Checked before the tensors: these CPU tensors would be refused next, naming q.)
@@ -234,3 +243,41 @@ def test_launch_integers_are_checked_naming_them(kw, name):
     with pytest.raises(ArgumentError) as ei:
         mla_tree_verify.tree_verify(**_args(), max_q_len=np.int64(3), num_splits=np.int32(2))
     assert ei.value.argument == "q", "numpy integers are integers"
+
+
+def _without_tensor_checks(monkeypatch):
+    # the launch-shape checks that follow validate_args, reached on CPU: the tensor checks (which want CUDA) off,
+    # and no launch may happen
+    import mla_tree_verify
+    from mla_tree_verify import _lib
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(mla_tree_verify, "validate_args", lambda *a, **k: None)
+    monkeypatch.setattr(_lib, "launch", no_launch)
+    return mla_tree_verify
+
+
+def test_an_empty_batch_returns_its_empty_output_without_a_launch(monkeypatch):
+    mtv = _without_tensor_checks(monkeypatch)
+    a = _args()
+    a.update(q=a["q"][:0], k_draft=a["k_draft"][:0], qo_indptr=torch.zeros(2, dtype=torch.int32))
+    out = mtv.tree_verify(**a)
+    assert out.shape == (0, 2, 512) and out.dtype == torch.bfloat16
+
+
+def test_a_grid_beyond_cudas_limit_asks_for_max_q_len(monkeypatch):
+    # ΣT 32768 at 128 heads with the default max_q_len (ΣT): 65536 row tiles of 64 (the library said only
+    # "negative or zero size"); meta tensors: no memory
+    mtv = _without_tensor_checks(monkeypatch)
+    a = _args()
+    a.update(q=torch.empty(32768, 128, 576, dtype=torch.bfloat16, device="meta"),
+             k_draft=torch.empty(32768, 1, 576, dtype=torch.bfloat16, device="meta"), out=None)
+    with pytest.raises(ArgumentError, match="pass max_q_len") as ei:
+        mtv.tree_verify(**a)
+    assert ei.value.argument == "max_q_len"
+    a.update(qo_indptr=torch.zeros(65537, dtype=torch.int32, device="meta"))
+    with pytest.raises(ArgumentError, match="at most 65535") as ei:
+        mtv.tree_verify(**a, max_q_len=16)
+    assert ei.value.argument == "qo_indptr"

@@ -40,3 +40,30 @@ def test_demangle_names_template_instantiations():
     # (S layout, split epilogue): every argument is kept, in order
     assert compile_check.demangle("_ZN3mtv14mtv_fwd_kernelILi2ELi1EEEv7MtvArgs") == "mtv_fwd_kernel<2,1>"
     assert compile_check.demangle("_ZN3mtv18mtv_combine_kernelE7MtvArgs") == "mtv_combine_kernel"
+
+
+def test_a_nvcc_variable_that_is_no_compiler_is_named_not_passed_over(monkeypatch, capsys):
+    # (it fell through to another nvcc: a build of something other than asked for)
+    monkeypatch.setenv("NVCC", "/nonexistent/nvcc")
+    with pytest.raises(RuntimeError, match=r"\$NVCC is '/nonexistent/nvcc', which is not an executable file"):
+        find_nvcc()
+    assert compile_check.main([]) == 2
+    assert "$NVCC is '/nonexistent/nvcc'" in capsys.readouterr().err
+
+
+def test_the_build_command_takes_gencode_in_nvccs_own_form(monkeypatch, capsys):
+    from mla_tree_verify import build as build_cli
+
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(build_cli, "build", lambda gencode, force, verbose: asked.append(gencode) or "lib.so")
+    argv = ["--gencode=arch=compute_90,code=sm_90", "--gencode=-gencode=arch=compute_120,code=sm_120"]
+    assert build_cli.main(argv) == 0
+    assert asked == [("-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_120,code=sm_120")]
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+def test_compile_check_shows_nvccs_own_error(monkeypatch, capsys):
+    monkeypatch.setenv("MLA_TREE_VERIFY_NVCC_FLAGS", "--no-such-nvcc-flag")
+    assert compile_check.main([]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-nvcc-flag" in err.split("returned non-zero exit status")[-1], err

@@ -83,7 +83,7 @@ def load_status(engine: Engine, run_id: int | None, tolerance: float, bucket_s: 
         )
         data.evaluation = dict(ev) if ev is not None else None
         q = select(
-            c.layer, c.t, c.n, c.n_exceed, c.n_cand_nonfinite, c.n_base_nonfinite, c.n_error, c.n_nan_stat,
+            c.layer, c.t, c.n, c.n_exceed, c.n_cand_nonfinite, c.n_base_nonfinite, c.n_error, c.n_nan_unexplained,
             c.max_rel_l2, c.sum_rel_l2,
         ).where(c.run_id == run["id"])
         if run["last_sample_ts"] is not None:
