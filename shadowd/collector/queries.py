@@ -61,9 +61,9 @@ def _cells(engine: Engine, run_id: int) -> list[dict[str, Any]]:
 
 
 def layer_summary(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """Per-layer summary of a run, folded from its (layer, bucket) cells. The means are over the calls whose
-    statistics are all finite (``nan_stats`` counts the others; a non-finite value adds nothing to a sum) and
-    None when there is none — never the 0 of an empty sum."""
+    """Per-layer summary of a run, folded from its (layer, bucket) cells. A mean is the statistic's sum (a
+    non-finite value adds nothing to it) over the calls whose statistics are all finite (``nan_stats`` counts the
+    others), None when there is none — never the 0 of an empty sum."""
     acc: dict[int, dict[str, Any]] = {}
     for c in _cells(engine, run_id):
         a = acc.setdefault(c["layer"], defaultdict(float))

@@ -247,7 +247,7 @@ def test_launch_integers_are_checked_naming_them(kw, name):
 
 def _without_tensor_checks(monkeypatch):
     # the launch-shape checks that follow validate_args, reached on CPU: the tensor checks (which want CUDA) off,
-    # and no launch may happen
+    # no launch may happen, and the library's rows per CTA given (asking it would build the library with nvcc)
     import mla_tree_verify
     from mla_tree_verify import _lib
 
@@ -255,6 +255,7 @@ def _without_tensor_checks(monkeypatch):
         raise AssertionError("launched")
 
     monkeypatch.setattr(mla_tree_verify, "validate_args", lambda *a, **k: None)
+    monkeypatch.setattr(mla_tree_verify, "block_m", lambda: 64)
     monkeypatch.setattr(_lib, "launch", no_launch)
     return mla_tree_verify
 
