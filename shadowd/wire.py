@@ -187,6 +187,7 @@ SPEC_MODES = ("off", "validate", "on")
 PRODUCER_STATS: tuple[str, ...] = (
     "spool_depth",     # batches waiting in the on-disk spool
     "dropped",         # samples dropped since start (spool bound hit)
+    "rejected",        # samples given up since start: left out as invalid, or in a batch the collector refused
     "fallback",        # 1 when an on-mode hook has fallen back to the baseline
     "disabled",        # 1 when the candidate is disabled for the process
     "device_errors",   # kernel-side error flags (out-of-range indices) seen

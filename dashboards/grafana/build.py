@@ -474,11 +474,16 @@ def build() -> dict[str, Any]:
     lay.add(
         _panel(
             "timeseries",
-            "Producer drops, sequence gaps, device errors",
+            "Producer drops, rejects, sequence gaps, device errors",
             [
                 _target(
                     _by_worker("shadowd_producer_dropped_samples"),
                     "dropped, run {{run}} {{worker}}",
+                ),
+                _target(
+                    _by_worker("shadowd_producer_rejected_samples"),
+                    "rejected, run {{run}} {{worker}}",
+                    ref="D",
                 ),
                 _target(
                     _by_worker("shadowd_producer_sequence_gaps"),
@@ -491,7 +496,9 @@ def build() -> dict[str, Any]:
                     ref="C",
                 ),
             ],
-            "Running totals reported by producers, per (pipeline stage, rank): the legend names the stage above 0.",
+            "Running totals reported by producers, per (pipeline stage, rank): the legend names the stage above 0. "
+            "Rejected: samples a producer gave up, invalid (a caller's bad bucket or layer) or in a batch the "
+            "collector refused.",
         ),
         w=8,
         h=8,

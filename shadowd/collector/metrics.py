@@ -228,6 +228,8 @@ class RollupExporter(Collector):
         specs = {
             "spool_depth": ("shadowd_producer_spool_depth", "Batches waiting in a producer's on-disk spool"),
             "dropped": ("shadowd_producer_dropped_samples", "Samples a producer dropped (spool bound hit)"),
+            "rejected": ("shadowd_producer_rejected_samples",
+                         "Samples a producer gave up: invalid (left out of their batch) or refused by the collector"),
             "fallback": ("shadowd_producer_fallback", "1 when an on-mode producer fell back to the baseline"),
             "disabled": ("shadowd_producer_candidate_disabled", "1 when a producer disabled its candidate"),
             "gaps": ("shadowd_producer_sequence_gaps", "Batches missing from a producer's sequence"),

@@ -113,6 +113,8 @@ producers = Table(
     Column("last_seen", Float, nullable=False),
     _counter("spool_depth"),
     _counter("dropped"),
+    # samples the producer gave up: left out of their batch as invalid, or in a batch the collector refused
+    _counter("rejected"),
     _counter("fallback"),
     _counter("disabled"),
     _counter("device_errors"),

@@ -290,6 +290,7 @@ class Streamer:
         out = dict(self.stats()) if self.stats else {}
         out["spool_depth"] = self.spool.depth()
         out["dropped"] = self.dropped
+        out["rejected"] = self.rejected
         return {k: v for k, v in out.items() if k not in self.unknown_fields}
 
     def producer_notes(self) -> dict[str, str]:

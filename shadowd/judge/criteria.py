@@ -18,7 +18,7 @@ from shadowd.judge.inputs import RunRollups
 from shadowd.judge.policy import Policy
 from shadowd.judge.ranks import rank_gaps
 from shadowd.judge.report import FAIL, INSUFFICIENT, PASS, Criterion, bucket_label
-from shadowd.judge.stats import lower_bound, steps_needed, upper_bound
+from shadowd.judge.stats import clearly_above, clearly_below, lower_bound, steps_needed, upper_bound
 
 __all__ = [
     "TOL_STATS",
@@ -239,10 +239,10 @@ def exceedance(r: RunRollups, p: Policy) -> Criterion:
     conf = f"{p.confidence:.4g}"
     if n == 0:
         status, detail = INSUFFICIENT, "no verify steps yet"
-    elif hi < p.target_rate:
+    elif clearly_below(hi, p.target_rate):
         status = PASS
         detail = f"{k_hi}/{n} steps exceed; upper bound {hi:.3g} < target {p.target_rate:.3g} at {conf}"
-    elif lo > p.target_rate:
+    elif clearly_above(lo, p.target_rate):
         status = FAIL
         detail = f"{k_lo}/{n} steps exceed; lower bound {lo:.3g} > target {p.target_rate:.3g} at {conf}"
     else:

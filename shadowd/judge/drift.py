@@ -14,7 +14,7 @@ from shadowd.judge.criteria import TOL_STATS, fold_layers, mean_of, not_le
 from shadowd.judge.inputs import RunRollups
 from shadowd.judge.policy import Policy
 from shadowd.judge.report import FAIL, INSUFFICIENT, PASS, Criterion
-from shadowd.judge.stats import lower_bound
+from shadowd.judge.stats import clearly_above, lower_bound
 
 __all__ = ["DRIFT_FLOOR", "drift"]
 
@@ -78,7 +78,7 @@ def drift(r: RunRollups, p: Policy) -> Criterion:
     if r.steps.policy_hash == p.hash() and r.steps.recent_total:
         lo = lower_bound(r.steps.recent_exceeded, r.steps.recent_total, p.confidence)
         observed["recent_exceedance_lower"] = lo
-        if lo > p.target_rate:
+        if clearly_above(lo, p.target_rate):
             problems.append(f"recent window: {r.steps.recent_exceeded}/{r.steps.recent_total} steps exceed, "
                             f"lower bound {lo:.3g} > target {p.target_rate:.3g}")
     threshold = {"ratio": p.drift_ratio, "window_s": p.drift_window_s, "min_samples": need}

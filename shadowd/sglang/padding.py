@@ -9,7 +9,8 @@ replay by the buffer registry's padding policy (``cuda_graph_buffer_registry``):
 real exactly when its ``out_cache_loc`` is not 0, and a request is real when its first draft token is.
 
 :func:`graph_shape` turns that into one small device tensor per forward, made inside the capture (so every
-replay recomputes it) without a host synchronisation:
+replay recomputes it) without a host synchronisation, in one Triton launch on the GPU
+(:mod:`shadowd.sglang.triton_padding`; the torch ops here are the CPU path and its reference):
 
 * ``[0]`` real requests (0 for a replay that only pads, e.g. an idle data-parallel rank: such a call publishes
   no sample);
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["META_FIELDS", "graph_shape"]
+__all__ = ["META_FIELDS", "graph_shape", "graph_shape_torch"]
 
 #: what each element of :func:`graph_shape`'s tensor holds
 META_FIELDS = ("batch_size", "draft_tokens", "prefix_len", "valid_rows")
@@ -41,10 +42,21 @@ def graph_shape(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, out_cache_loc:
     ``qo_indptr`` / ``kv_indptr``: the verify metadata's (at least ``bs + 1`` entries); ``out_cache_loc``: the
     step's KV write slots, one per token row (``None``: every row is taken as real); ``bs``: the captured
     (padded) batch size; ``draft``: draft tokens per request; ``rows``: token rows of the call. Capturable: no
-    host reads, no host-to-device copies.
+    host reads, no host-to-device copies. One kernel on a CUDA device; :func:`graph_shape_torch` elsewhere.
     """
     if bs < 1 or rows < 0:
         raise ValueError(f"graph_shape: bs must be >= 1 and rows >= 0, got bs={bs}, rows={rows}")
+    if kv_indptr.is_cuda and rows:
+        from shadowd.sglang.triton_padding import graph_shape_fused
+
+        return graph_shape_fused(qo_indptr, kv_indptr, out_cache_loc, bs, draft, rows)
+    return graph_shape_torch(qo_indptr, kv_indptr, out_cache_loc, bs, draft, rows)
+
+
+def graph_shape_torch(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, out_cache_loc: torch.Tensor | None,
+                      bs: int, draft: int, rows: int) -> torch.Tensor:
+    """:func:`graph_shape` in torch ops (some fifteen kernels on a GPU): the CPU path and the fused kernel's
+    reference. Arguments as there, checked there."""
     dev = kv_indptr.device
     kvp = kv_indptr[: bs + 1].to(torch.int64)
     lens = kvp[1:] - kvp[:-1]

@@ -437,6 +437,13 @@ def test_a_sample_the_collector_would_refuse_is_left_out_not_its_batch(collector
     st.close()
     assert st.sent == 10 and st.rejected == st.invalid == 5 and st.dropped == 0
     assert client.get_run(run_id)["samples"] == 10
+    # the collector hears of them: the producer's figure, exported per (stage, rank) (the samples' rank: 0)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{collector.url}/metrics", timeout=5).text
+    got = {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+           for s in f.samples if s.name == "shadowd_producer_rejected_samples"}
+    assert got == {(("rank", "0"), ("run", str(run_id)), ("stage", "0")): 5.0}, got
 
 
 def test_start_streaming_registers_applies_kill_switch_and_delivers(collector: Collector, tmp_path: Path) -> None:

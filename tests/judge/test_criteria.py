@@ -12,7 +12,7 @@ import pytest
 from shadowd.judge.bins import stat_bins
 from shadowd.judge.inputs import StepCounts
 from shadowd.judge.policy import Policy, load_policy
-from shadowd.judge.stats import lower_bound, steps_needed, upper_bound
+from shadowd.judge.stats import clearly_below, lower_bound, steps_needed, upper_bound
 from shadowd.judge.verdict import INSUFFICIENT_DATA, NOT_READY, READY, judge
 from tests.judge.builders import SMALL, T0, cell, criterion, rank_row, rollups, statuses
 
@@ -166,6 +166,20 @@ def test_upper_bound_exactly_at_target_is_not_ready_eligible() -> None:
     n = 500
     policy = SMALL.model_copy(update={"target_rate": upper_bound(0, n, SMALL.confidence)})
     assert criterion(judge(rollups(steps=n, policy=policy), policy), "exceedance")["status"] == "insufficient"
+
+
+def test_a_bound_equal_to_the_target_but_for_rounding_decides_nothing() -> None:
+    # one step, exceeding, at 0.99 / 0.01: the lower bound is (1 - 0.99)^1 = 0.01 exactly, which binary floats
+    # hold as 0.010000000000000009 — above the target by rounding only, so not a failure
+    policy = SMALL.model_copy(update={"confidence": 0.99, "target_rate": 0.01})
+    assert lower_bound(1, 1, 0.99) > 0.01  # the rounding the judge must not act on
+    ex = criterion(judge(rollups(steps=1, exceeded=1, policy=policy), policy), "exceedance")
+    assert ex["status"] == "insufficient", ex["detail"]
+    # two steps, both exceeding: 0.1 is clearly above 0.01
+    assert criterion(judge(rollups(steps=2, exceeded=2, policy=policy), policy), "exceedance")["status"] == "fail"
+    # the count of steps still needed agrees with the decision at its edge
+    assert clearly_below(upper_bound(0, steps_needed(0, 0.01, 0.99), 0.99), 0.01)
+    assert not clearly_below(upper_bound(0, steps_needed(0, 0.01, 0.99) - 1, 0.99), 0.01)
 
 
 def test_lower_bound_above_target_is_not_ready() -> None:

@@ -99,13 +99,13 @@ def test_template_variables_and_key_panels() -> None:
     for needed in (
         "Failing criteria (latest evaluation)",
         "Duplicate and rejected batches",
-        "Producer drops, sequence gaps, device errors",
+        "Producer drops, rejects, sequence gaps, device errors",
         "Distribution of per-call rel-L2",
     ):
         assert needed in titles
     prom = [t["expr"] for _, t in dashboard_targets()]
     for t in prom:
-        if "shadowd_run_info" not in t and "rejected" not in t:
+        if "shadowd_run_info" not in t and "shadowd_rejected_batches" not in t:
             assert "$run" in t, f"query ignores the run variable: {t}"
 
 
@@ -126,7 +126,7 @@ def test_producer_legends_name_the_stage_only_above_zero(tmp_path: Any) -> None:
     stage 0 (every launch without --pp-size) and ``stage S rank R`` above it, and the values stay each series' own."""
     promtool = require_tool("promtool")
     exprs = [grafana_to_promql(t["expr"]) for _, t in dashboard_targets() if "{{worker}}" in t.get("legendFormat", "")]
-    assert len(exprs) == 6, exprs
+    assert len(exprs) == 7, exprs
     workers = {("0", "0"): ("rank 0", 2), ("1", "0"): ("stage 1 rank 0", 5), ("0", "1"): ("rank 1", 7)}
     tests = []
     for expr in exprs:

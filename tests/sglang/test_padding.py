@@ -2,11 +2,18 @@
 
 The padded batch is made by SGLang's own decode-graph buffer registry (``build_decode_registry``, its
 ``fill_from`` / ``extract_buffer``), so a change of SGLang's padding policy fails these tests; the functions
-under test are plain torch ops, run here on CPU tensors.
+under test are plain torch ops, run here on CPU tensors; the GPU path's one Triton kernel
+(``shadowd.sglang.triton_padding``) is held to them under Triton's interpreter and, with CUDA, inside a graph.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,3 +135,115 @@ def test_the_triton_backend_captures_no_per_request_verify_lengths(sgl: Any) -> 
 
     assert sgl.TritonAttnBackend.supports_ragged_verify_graph is False
     assert AttentionBackend.supports_ragged_verify_graph is False
+
+
+def _random_cases(seed: int) -> list[tuple[Any, ...]]:
+    """(qo_indptr, kv_indptr, out_cache_loc, bs, draft, rows) of padded graph batches: requests of one or several
+    draft sizes, some empty, a padded tail of zero slots, zero slots inside real requests past their first row,
+    int32 and int64 metadata, batches wider than one loop iteration of the kernel, and no write slots at all."""
+    g = torch.Generator().manual_seed(seed)
+    cases: list[tuple[Any, ...]] = []
+    for bs, draft, ragged, idx_dtype, none_loc in [
+            (1, 1, False, torch.int32, False), (3, 4, False, torch.int64, False), (8, 16, True, torch.int32, False),
+            (33, 2, True, torch.int64, False), (160, 8, False, torch.int32, False),
+            (1500, 1, True, torch.int64, False), (5, 3, False, torch.int32, True),
+            (1300, 2, False, torch.int64, True)]:
+        sizes = (torch.randint(0, draft + 1, (bs,), generator=g) if ragged else torch.full((bs,), draft))
+        qo = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+        rows = max(int(qo[-1]), 1)
+        real = int(torch.randint(0, bs + 1, (1,), generator=g))
+        loc = torch.randint(1, 10**6, (rows,), generator=g)
+        loc[int(qo[real]):] = 0  # the padded requests' slots
+        loc[torch.rand(rows, generator=g) < 0.05] = 0  # a zero slot elsewhere counts as a padded row
+        prefix = torch.randint(0, 70000, (bs,), generator=g)
+        kv = torch.cat([torch.zeros(1, dtype=torch.int64), prefix.cumsum(0)])
+        tail = 5  # metadata buffers longer than the batch (SGLang's are sized for the largest capture)
+        qo_buf = torch.cat([qo, torch.full((tail,), 7)]).to(idx_dtype)
+        kv_buf = torch.cat([kv, torch.full((tail,), 3)]).to(idx_dtype)
+        loc_buf = torch.cat([loc, torch.full((tail,), 9)])
+        cases.append((qo_buf, kv_buf, None if none_loc else loc_buf, bs, draft, rows))
+    return cases
+
+
+INTERP_SCRIPT = r'''
+import json, sys
+from shadowd.sglang.padding import graph_shape_torch
+from shadowd.sglang.triton_padding import graph_shape_fused
+from tests.sglang.test_padding import _random_cases
+pairs = [[graph_shape_fused(*c).tolist(), graph_shape_torch(*c).tolist()] for c in _random_cases(int(sys.argv[1]))]
+print("RESULT " + json.dumps(pairs))
+'''
+
+# on the GPU: graph_shape is one kernel, equals the torch ops eagerly, and each replay of a graph that captured it
+# reads the batch then in its buffers (new write slots and prefix lengths)
+GPU_SCRIPT = r'''
+import json
+import torch
+from torch.profiler import ProfilerActivity, profile
+from shadowd.sglang.padding import graph_shape, graph_shape_torch
+from tests.sglang.test_padding import _random_cases
+out = []
+for case in _random_cases(2):
+    qo, kv, loc, bs, draft, rows = (c.cuda() if isinstance(c, torch.Tensor) else c for c in case)
+    graph_shape(qo, kv, loc, bs, draft, rows)  # compiled before profiling
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eager = graph_shape(qo, kv, loc, bs, draft, rows)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    row = {"kernels": kernels, "eager": [eager.tolist(), graph_shape_torch(*case).tolist()], "replays": []}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        meta = graph_shape(qo, kv, loc, bs, draft, rows)
+    for seed in (3, 4):
+        g = torch.Generator().manual_seed(seed)
+        if loc is not None:
+            fresh = loc.cpu()
+            fresh[:rows][torch.rand(rows, generator=g) < 0.5] = 0
+            loc.copy_(fresh)
+        kv.copy_((kv.cpu() + torch.randint(0, 3, kv.shape, generator=g).cumsum(0)).to(kv.dtype))
+        graph.replay()
+        want = graph_shape_torch(qo.cpu(), kv.cpu(), None if loc is None else loc.cpu(), bs, draft, rows)
+        row["replays"].append([meta.tolist(), want.tolist()])
+    out.append(row)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _run(tmp_path: Path, script: str, *args: str, interpret: bool) -> Any:
+    path = tmp_path / "padding_check.py"
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (this package's conftest sets it)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, env=env, timeout=300)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(line[0][7:])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+def test_the_fused_kernel_equals_the_torch_ops_in_the_interpreter(tmp_path: Path) -> None:
+    cases = _random_cases(1)
+    pairs = _run(tmp_path, INTERP_SCRIPT, "1", interpret=True)
+    assert len(pairs) == len(cases)
+    for i, (fused, ref) in enumerate(pairs):
+        assert fused == ref, f"case {i}: fused {fused} != torch {ref}"
+    # the cases reach what they are meant to: padded requests and rows, and batches without padding
+    assert any(ref[0] < c[3] for (_, ref), c in zip(pairs, cases, strict=True))
+    assert any(ref[3] < c[5] for (_, ref), c in zip(pairs, cases, strict=True))
+    assert any(ref[0] == c[3] for (_, ref), c in zip(pairs, cases, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graph_shape_is_one_kernel_and_each_replay_reads_its_own_batch(tmp_path: Path) -> None:
+    rows = _run(tmp_path, GPU_SCRIPT, interpret=False)
+    assert len(rows) == len(_random_cases(2))
+    for i, row in enumerate(rows):
+        assert len(row["kernels"]) == 1 and "graph_shape" in row["kernels"][0], (i, row["kernels"])
+        assert row["eager"][0] == row["eager"][1], (i, row["eager"])
+        for got, want in row["replays"]:
+            assert got == want, (i, got, want)
+    assert any(r["replays"][0][1] != r["replays"][1][1] for r in rows), "replays saw different batches"
