@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["DTYPE_DEFAULTS", "ENV_PREFIX", "Policy", "PolicyError", "load_policy", "policy_from_env"]
 
@@ -42,9 +42,13 @@ DTYPE_DEFAULTS: dict[str, dict[str, float]] = {
 
 
 class Policy(BaseModel):
-    """Readiness policy. Unset tolerances take the defaults of ``dtype``."""
+    """Readiness policy. Unset tolerances take the defaults of ``dtype``.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Every knob is a finite number in its range (or the dtype's name): an infinite tolerance would turn a check of
+    the verdict off without saying so, and ``true`` is not a number (TOML and JSON booleans are refused, not read
+    as 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     dtype: Dtype = "bf16"
     rel_l2_max: float | None = Field(default=None, gt=0, description="per-call rel-L2 tolerance")
@@ -63,6 +67,13 @@ class Policy(BaseModel):
     drift_min_samples: int = Field(default=200, ge=1, description="samples per side to judge drift")
     hysteresis_k: int = Field(default=4, ge=1, description="consecutive passing evaluations before READY")
     hysteresis_minutes: float = Field(default=30.0, ge=0, description="span those evaluations must cover")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"{str(value).lower()} is not a knob's value (a number, or dtype's name)")
+        return value
 
     def tol(self, name: str) -> float:
         """The effective tolerance ``name`` (explicit value, else the dtype default)."""

@@ -40,8 +40,8 @@ def upper_bound(k: int, n: int, confidence: float) -> float:
         return 1.0
     if k >= n:
         return 1.0
-    if k <= 0:
-        return float(1.0 - (1.0 - confidence) ** (1.0 / n))
+    if k <= 0:  # 1 - (1 - confidence)^(1/n), without its cancellation at large n
+        return float(-math.expm1(math.log1p(-confidence) / n))
     return float(beta.ppf(confidence, k + 1, n - k))
 
 

@@ -2,11 +2,11 @@
 """:func:`shadowd.sglang.padding.graph_shape` in one Triton launch (the CUDA path).
 
 The torch version is some fifteen small kernels; captured into SGLang's decode graph they ran on every replay,
-~18 µs per target-verify step on an H100 (bench/results/sglang-2026-12-07.md). This is one program of one
-warp group: it counts the real token rows, then the real requests and their longest prefix, and writes the four
+~18 µs per target-verify step on an H100 (bench/results/hook-2026-12-07.md, session 31). This is one program of
+four warps: it counts the real token rows, then the real requests and their longest prefix, and writes the four
 words. Its loops run over the captured batch (``bs`` and ``rows`` are the graph's constants), so the launch
-configuration never depends on a replay's data. Exactly the torch version's results (the tests compare them,
-under the interpreter and on the GPU).
+configuration never depends on a replay's data, and one compilation (per metadata dtypes) serves every batch
+size. Exactly the torch version's results (the tests compare them, under the interpreter and on the GPU).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import triton.language as tl
 
 __all__ = ["graph_shape_fused"]
 
-#: lanes per loop iteration (token rows / requests)
+#: lanes per loop iteration (token rows / requests): a decode graph's rows (≤ 1024: e.g. 64 requests × 16 drafts)
+#: in one
 BLOCK = 1024
-_NO_PREFIX = -(2**62)  # below any prefix length: the maximum over all requests when none is masked
+_NO_PREFIX = tl.constexpr(-(2**62))  # below any prefix length: the maximum over all requests when none is masked
 
 
 @triton.jit(do_not_specialize=["bs", "draft", "rows"])  # one compilation for every batch, 1 included
@@ -72,7 +73,6 @@ def graph_shape_fused(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, out_cach
     has_loc = out_cache_loc is not None
     qo = qo_indptr[: bs + 1].contiguous() if has_loc else kv
     loc = out_cache_loc[:rows].contiguous() if out_cache_loc is not None else kv
-    block = min(BLOCK, triton.next_power_of_2(max(bs, rows if has_loc else 1, 32)))
-    _graph_shape_kernel[(1,)](qo, kv, loc, meta, bs, draft, rows, HAS_LOC=has_loc, BLOCK=block,
-                              num_warps=4 if block >= 512 else 1)
+    # one configuration for every batch: a capture of another size compiles nothing (the first call compiled it)
+    _graph_shape_kernel[(1,)](qo, kv, loc, meta, bs, draft, rows, HAS_LOC=has_loc, BLOCK=BLOCK, num_warps=4)
     return meta

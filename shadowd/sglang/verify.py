@@ -45,7 +45,7 @@ from shadowd.sglang.candidate import (
     error_flag,
     oracle,
 )
-from shadowd.sglang.padding import graph_shape
+from shadowd.sglang.padding import graph_shape, warm_graph_shape
 
 __all__ = ["SITE_NAME", "TARGET", "VerifyShadow", "ineligible"]
 
@@ -129,6 +129,7 @@ class VerifyShadow:
         self.site: ShadowSite | None = None
         self.passed = 0
         self.shadowed = 0
+        self.hook_faults = 0  # the wrapper's own failures (:meth:`_hook_fault`): after one, SGLang serves every call
         self.reasons: dict[str, int] = {}
         # per (backend, layer) id: the objects (so a reused id is never mistaken for them) and _layer_reason's answer
         self._layer_reasons: dict[tuple[int, int], tuple[Any, Any, str | None]] = {}
@@ -159,6 +160,8 @@ class VerifyShadow:
         why = "extra arguments" if extra else None
         if why is None and rt.mode_code == 0:
             why = "mode off"
+        if why is None and self.hook_faults:
+            why = "the hook failed (logged above): the candidate is disabled"
         if why is None:
             why = (_step_reason(backend, forward_batch) or self._layer_reason(backend, layer)
                    or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors, self._candidate_dtypes(q)))
@@ -176,15 +179,19 @@ class VerifyShadow:
             return original(backend, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors,
                             **extra)
         self.shadowed += 1
-        site = self._site(backend)
         md = backend.forward_metadata
         if save_kv_cache:
             self._write_kv(backend, layer, forward_batch, k, v)
-        heads = int(layer.tp_q_head_num)
-        call = VerifyCall(original, backend, layer, forward_batch, heads, float(layer.scaling),
-                          int(md.max_extend_len))
-        layer_id = int(layer.layer_id)
-        bucket = self._bucket(q, heads, forward_batch, md, site, layer_id)
+        try:
+            site = self._site(backend)
+            heads = int(layer.tp_q_head_num)
+            call = VerifyCall(original, backend, layer, forward_batch, heads, float(layer.scaling),
+                              int(md.max_extend_len))
+            layer_id = int(layer.layer_id)
+            bucket = self._bucket(q, heads, forward_batch, md, site, layer_id)
+        except Exception as e:  # the hook's own code before the site: SGLang serves the call (its K/V is written)
+            self._hook_fault(rt, e)
+            return original(backend, q, k, v, layer, forward_batch, False, sinks, score_mod, aux_tensors)
         out = site(call, q, k, v, kv_buffer, md.qo_indptr, md.kv_indptr, md.kv_indices, md.custom_mask,
                    md.mask_indptr, layer=layer_id, bucket=bucket)
         attn_out = getattr(forward_batch, "_attn_output", None)
@@ -192,6 +199,15 @@ class VerifyShadow:
             attn_out.copy_(out.view(attn_out.shape))  # SGLang's layout: its own buffer
             return attn_out
         return out
+
+    def _hook_fault(self, rt: Any, err: Exception) -> None:
+        """What the wrapper's own code raised before the site took the call (building the site or the call's shape
+        bucket): the candidate is disabled for the process with the reason (reported with the producer's figures)
+        and the traceback logged once; the caller serves SGLang's own forward."""
+        self.hook_faults += 1
+        if self.hook_faults == 1:
+            log.error("shadowd: the verify hook failed before its site; SGLang serves the call", exc_info=err)
+        rt.disable(f"hook error: {type(err).__name__}: {err}")
 
     def _candidate_dtypes(self, q: Any) -> tuple[torch.dtype, ...] | None:
         # the q dtypes the candidate takes (None: not known), read once per device kind: the candidate is fixed
@@ -253,6 +269,8 @@ def _make_bucket(rows: int, heads: int, forward_batch: Any, md: Any, site: Shado
             forward_batch._shadowd_meta = meta
         return Bucket(batch_size=bs, draft_tokens=draft, prefix_len=0, heads=heads, valid_rows=meta[3],
                       meta=meta[:3])
+    # the shape tensor's kernel is compiled here, eagerly (SGLang's warm-up), not inside the capture that uses it
+    warm_graph_shape(md.qo_indptr, md.kv_indptr, getattr(forward_batch, "out_cache_loc", None))
     # an eager batch padded for data-parallel attention (ForwardBatch.prepare_mlp_sync_batch) keeps its real size
     real_bs, real_rows = _original_size(forward_batch, bs, rows)
     prefix = 0

@@ -11,7 +11,7 @@ import pytest
 
 from shadowd.judge.bins import stat_bins
 from shadowd.judge.inputs import StepCounts
-from shadowd.judge.policy import Policy, load_policy
+from shadowd.judge.policy import Policy, PolicyError, load_policy
 from shadowd.judge.stats import clearly_below, lower_bound, steps_needed, upper_bound
 from shadowd.judge.verdict import INSUFFICIENT_DATA, NOT_READY, READY, judge
 from tests.judge.builders import SMALL, T0, cell, criterion, rank_row, rollups, statuses
@@ -180,6 +180,11 @@ def test_a_bound_equal_to_the_target_but_for_rounding_decides_nothing() -> None:
     # the count of steps still needed agrees with the decision at its edge
     assert clearly_below(upper_bound(0, steps_needed(0, 0.01, 0.99), 0.99), 0.01)
     assert not clearly_below(upper_bound(0, steps_needed(0, 0.01, 0.99) - 1, 0.99), 0.01)
+    # exactly the smallest such count also where the zero-exceedance bound's closed form loses digits
+    for target in (1e-9, 1.12e-8, 3e-7):
+        n = steps_needed(0, target, 0.99)
+        assert clearly_below(upper_bound(0, n, 0.99), target)
+        assert not clearly_below(upper_bound(0, n - 1, 0.99), target), target
 
 
 def test_lower_bound_above_target_is_not_ready() -> None:
@@ -423,6 +428,22 @@ def test_policy_file_env_and_demo(tmp_path) -> None:
     demo = load_policy(str(resources.files("shadowd") / "policies" / "demo.toml"), {})
     assert demo.confidence == 0.9 and demo.target_rate == 0.05
     assert steps_needed(0, demo.target_rate, demo.confidence) < 100
+
+
+@pytest.mark.parametrize(("text", "env", "named"), [
+    ("rel_l2_max = inf\n", {}, "rel_l2_max"),  # an infinite tolerance turns a check off
+    ("min_span_s = nan\n", {}, "min_span_s"),
+    ("min_requests = true\n", {}, "min_requests"),  # not read as 1
+    ("oracle_k = false\n", {}, "oracle_k"),
+    ("", {"SHADOWD_POLICY_COS_DIFF_MAX": "inf"}, "cos_diff_max"),
+    ("", {"SHADOWD_POLICY_DRIFT_WINDOW_S": "Infinity"}, "drift_window_s"),
+])
+def test_a_knob_that_is_no_finite_number_is_refused_by_name(tmp_path, text: str, env: dict[str, str],
+                                                           named: str) -> None:
+    f = tmp_path / "p.toml"
+    f.write_text(text)
+    with pytest.raises(PolicyError, match=named):
+        load_policy(f, env)
 
 
 def test_policy_change_bound_from_the_stored_histogram_layout() -> None:

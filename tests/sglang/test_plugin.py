@@ -417,3 +417,39 @@ def test_spec_on_counts_only_steps_that_serve_the_candidate(sgl: Any, fresh_plug
     assert spec.summary("on") == (2.5, 10.0)
     assert spec.counts["spec_passes_on"] == 1 and spec.counts["spec_passes_validate"] == 1
     assert spec.summary("validate") == (1.5, 3.0)
+
+
+@pytest.mark.parametrize("mode", ["validate", "on"])
+def test_a_fault_in_the_hooks_own_shape_code_serves_sglang_and_disables_the_candidate(
+        sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        mode: str) -> None:
+    """The wrapper builds the call's shape bucket before its site takes the call (on CUDA, a Triton kernel): a
+    failure there used to raise into SGLang's forward. SGLang now serves the call, its KV cache written once as
+    without the hook; the candidate is disabled for the process with the reason; the traceback is logged once."""
+    import logging
+
+    import shadowd.sglang.verify as verify
+    from shadowd.hook.runtime import get_runtime
+
+    ref_case = make_case(sgl)
+    expected = run_layers(ref_case)
+    samples = _runtime(mode)
+    _load(fresh_plugins, monkeypatch, mode)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("shape kernel failed to compile")
+
+    monkeypatch.setattr(verify, "warm_graph_shape", broken)
+    case = make_case(sgl)
+    with caplog.at_level(logging.ERROR, logger="shadowd"):
+        got = run_layers(case)
+        again = run_layers(make_case(sgl))
+    for e, o, o2 in zip(expected, got, again, strict=True):
+        assert torch.equal(o, e) and torch.equal(o2, e), "SGLang's own result"
+    for i in range(len(case.layers)):
+        assert torch.equal(case.pool.get_key_buffer(i), ref_case.pool.get_key_buffer(i))
+    rt = get_runtime()
+    assert rt.disabled and "hook error: RuntimeError: shape kernel failed to compile" in (rt.disabled_reason or "")
+    assert [r.getMessage() for r in caplog.records].count(
+        "shadowd: the verify hook failed before its site; SGLang serves the call") == 1
+    assert samples == []
