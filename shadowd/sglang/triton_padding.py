@@ -28,15 +28,20 @@ def _graph_shape_kernel(qo_ptr, kv_ptr, loc_ptr, meta_ptr, bs, draft, rows, HAS_
                         BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     n_tok = tl.zeros([BLOCK], dtype=tl.int64)
+    # (while loops: Triton 3.6's interpreter cannot range() over a runtime argument with numpy >= 2.4)
     if HAS_LOC:
-        for start in range(0, rows, BLOCK):
+        start = 0
+        while start < rows:
             r = start + lanes
             loc = tl.load(loc_ptr + r, mask=r < rows, other=0)
             n_tok += (loc != 0).to(tl.int64)
+            start += BLOCK
     n_req = tl.zeros([BLOCK], dtype=tl.int64)
     longest = tl.full([BLOCK], _NO_PREFIX, dtype=tl.int64)
-    for start in range(0, bs, BLOCK):
+    start = 0
+    while start < bs:
         i = start + lanes
+        start += BLOCK
         inb = i < bs
         k0 = tl.load(kv_ptr + i, mask=inb, other=0).to(tl.int64)
         k1 = tl.load(kv_ptr + i + 1, mask=inb, other=0).to(tl.int64)

@@ -160,10 +160,10 @@ class VerifyShadow:
         why = "extra arguments" if extra else None
         if why is None and rt.mode_code == 0:
             why = "mode off"
-        if why is None and self.hook_faults:
-            why = "the hook failed (logged above): the candidate is disabled"
         if why is None:
-            why = (_step_reason(backend, forward_batch) or self._layer_reason(backend, layer)
+            why = (_step_reason(backend, forward_batch)
+                   or ("the hook failed (logged above): the candidate is disabled" if self.hook_faults else None)
+                   or self._layer_reason(backend, layer)
                    or _call_reason(q, k, v, forward_batch, sinks, score_mod, aux_tensors, self._candidate_dtypes(q)))
         kv_buffer = None
         if why is None:
