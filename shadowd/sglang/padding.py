@@ -42,10 +42,11 @@ def warm_graph_shape(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, out_cache
     """Compile the fused kernel for these metadata tensors' device and dtypes before a capture needs it: one
     launch over their first request and row, once per kind (an eager call's, so a compilation never happens
     inside SGLang's graph capture). A no-op on CPU, during a capture, and for tensors too short to read."""
-    if not kv_indptr.is_cuda or torch.cuda.is_current_stream_capturing():
-        return
+    # called on every eager step: once warmed, a tuple and a set lookup decide (no query of the CUDA runtime)
     key = (kv_indptr.device, qo_indptr.dtype, kv_indptr.dtype, None if out_cache_loc is None else out_cache_loc.dtype)
-    if key in _WARMED or qo_indptr.numel() < 2 or kv_indptr.numel() < 2 or (
+    if key in _WARMED or not kv_indptr.is_cuda:
+        return
+    if torch.cuda.is_current_stream_capturing() or qo_indptr.numel() < 2 or kv_indptr.numel() < 2 or (
             out_cache_loc is not None and out_cache_loc.numel() < 1):
         return
     graph_shape(qo_indptr, kv_indptr, out_cache_loc, 1, 1, 1)
