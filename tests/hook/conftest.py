@@ -1,7 +1,10 @@
-"""Fixtures for the hook tests: a real collector subprocess, toy call sites, a recording sink."""
+"""Fixtures for the hook tests: a real collector subprocess, toy call sites, a recording sink, the interpreted
+device-path scenario."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -116,3 +119,20 @@ def cand_fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def inputs(seed: int = 0, rows: int = 16, k: int = 64, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(k, n, generator=g).to(torch.bfloat16))
+
+
+@pytest.fixture(scope="session")
+def interp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The device path's scenario (``interp_scenario.py``) run once under ``TRITON_INTERPRET=1`` in a subprocess:
+    ``{"result": its RESULT dict, "launches": the distinct Triton launches it made}`` (``launch_recorder.py``).
+    Skipped when Triton is not installed."""
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    launches = tmp_path_factory.mktemp("interp") / "launches.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SHADOWD_RECORD_LAUNCHES": str(launches),
+           "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here)])}
+    code = f"import launch_recorder, runpy; runpy.run_path({str(here / 'interp_scenario.py')!r}, run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {"result": json.loads(line[0][7:]), "launches": json.loads(launches.read_text())}

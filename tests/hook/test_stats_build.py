@@ -1,10 +1,15 @@
-"""The statistics kernel's default configurations compile for sm_90 without spilling: a compile-only check.
+"""The statistics kernel's default configurations compile for sm_90 and sm_120 without spilling: a compile-only
+check.
 
-Triton compiles ``_stats_kernel`` for an sm_90 target without a GPU (its bundled ptxas), exactly as
-:func:`shadowd.hook.launch.stats_config` configures it for each output size's default tile, and the cubin's
+Triton compiles ``_stats_kernel`` for an sm_90 target (an H100 / H200, 132 SMs) and an sm_120 target (an RTX PRO
+6000 Blackwell, 188 SMs) without a GPU (its bundled ptxas), exactly as :func:`shadowd.hook.launch.stats_config`
+configures it for each output size's default tile on that GPU, and the cubin's
 resource usage (its bundled ``cuobjdump -res-usage``) must show no local memory: the register cap per tile
 (``maxnreg``, from the programs per SM) and the per-element running state (``EW``, only where a thread may hold
-255 registers) are chosen so that the pass stays in registers. The build runs in a subprocess without
+255 registers) are chosen so that the pass stays in registers. One exception is measured and allowed: sm_120's
+ptxas keeps one 8-byte value of the bandwidth tile (8 warps, 128 registers) on the stack across the finishing code
+that runs once per program after the pass (two stores, one load); no local-memory access may sit inside a loop of
+the SASS on either target, and sm_90's builds use no stack at all. The build runs in a subprocess without
 ``TRITON_INTERPRET`` (other tests of the suite turn the interpreter on for this process). Skipped with the reason
 when Triton or its NVIDIA tools are not installed.
 """
@@ -28,9 +33,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 #: program, the mid tile, the large tile (exponent-row histogram) with and without position tracking, the bandwidth
 #: tile
 SIZES = (2**16, 2**20, 2**22, 2**23, 2**25)
+#: (compute capability, SMs): an H100 / H200 and an RTX PRO 6000 Blackwell
+TARGETS = ((90, 132), (120, 188))
 
 SCRIPT = r'''
-import json, subprocess, sys
+import json, re, subprocess, sys
 from pathlib import Path
 
 import triton
@@ -41,7 +48,7 @@ from triton.compiler import ASTSource
 from shadowd.hook.launch import stats_config
 from shadowd.hook.triton_stats import stats_kernel
 
-out_dir, sizes, sms = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+out_dir, sizes, targets = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 tools = Path(nv.__file__).parent / "bin"
 if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
     print("RESULT " + json.dumps({"skip": f"Triton's NVIDIA tools (ptxas, cuobjdump) are not in {tools}"}))
@@ -54,29 +61,35 @@ names = list(sig)
 # pointers 16-byte aligned and row sizes a multiple of 16, as the JIT specializes them at launch
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a][0] == "*" or a == "row_numel"}
 res = {}
-for n in sizes:
-    _nprog, config = stats_config(n, 2, sms, pdl=True, stamp=True, has_valid=True, interpret=False)
-    config = dict(config)
-    options = {k: config.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl")}
-    src = ASTSource(fn=stats_kernel, signature={**sig, **dict.fromkeys(config, "constexpr")}, constexprs=config,
-                    attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    cubin = out_dir / f"stats-{n}.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
-    res[str(n)] = {"config": {**config, **options}, "usage": usage}
+for arch, sms in targets:
+    for n in sizes:
+        _nprog, config = stats_config(n, 2, sms, pdl=True, stamp=True, has_valid=True, interpret=False)
+        config = dict(config)
+        options = {k: config.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl")}
+        src = ASTSource(fn=stats_kernel, signature={**sig, **dict.fromkeys(config, "constexpr")}, constexprs=config,
+                        attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        cubin = out_dir / f"stats-{arch}-{n}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        # the SASS lines that matter here: local-memory accesses and branches (loops are the backward ones)
+        marks = [ln.strip() for ln in sass.splitlines() if re.search(r"\b(STL|LDL|BRA)\b", ln)]
+        res[f"{arch}-{n}"] = {"config": {**config, **options}, "usage": usage, "sass": marks}
 print("RESULT " + json.dumps(res))
 '''
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Each size's configuration and ``cuobjdump -res-usage`` report, built for an H100 / H200 (132 SMs)."""
+    """Each target's and size's configuration and ``cuobjdump -res-usage`` report, keyed ``"{arch}-{n}"``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path_factory.mktemp("stats-build")),
-                           json.dumps(SIZES), "132"], capture_output=True, text=True, env=env, timeout=600)
+                           json.dumps(SIZES), json.dumps(TARGETS)], capture_output=True, text=True, env=env,
+                          timeout=600)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
     res: dict[str, Any] = json.loads(line[0][7:])
@@ -85,15 +98,44 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return res
 
 
+@pytest.mark.parametrize("arch", [arch for arch, _ in TARGETS])
 @pytest.mark.parametrize("n", SIZES)
-def test_the_default_configuration_compiles_for_sm90_without_spills(n: int, builds: dict[str, Any]) -> None:
-    config, usage = builds[str(n)]["config"], builds[str(n)]["usage"]
+def test_the_default_configuration_compiles_without_spills(n: int, arch: int, builds: dict[str, Any]) -> None:
+    config, usage = builds[f"{arch}-{n}"]["config"], builds[f"{arch}-{n}"]["usage"]
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     assert m, usage
     regs, stack, shared, local = (int(g) for g in m.groups())
-    assert stack == 0 and local == 0, f"{n} elements, {config}: spills ({usage.strip()})"
+    assert local == 0, f"{n} elements, {config}: local memory ({usage.strip()})"
+    in_loops = local_accesses_in_loops(builds[f"{arch}-{n}"]["sass"])
+    assert not in_loops, f"{n} elements, sm_{arch}, {config}: local memory inside a loop: {in_loops}"
+    assert stack == 0 or (arch == 120 and n > 2**23 and stack <= 8), f"{n} elements, sm_{arch}: {usage.strip()}"
     assert regs <= config["maxnreg"], (regs, config)
     assert shared <= 48 * 1024, "static shared memory (the histogram's columns) within the 48 KiB default"
+
+
+def local_accesses_in_loops(marks: list[str]) -> list[str]:
+    """The local-memory accesses (``STL`` / ``LDL``) of a kernel's SASS lines that lie inside a loop: between a
+    backward branch's target and the branch."""
+    addr = re.compile(r"^/\*([0-9a-f]+)\*/")
+    loops, local = [], []
+    for ln in marks:
+        m = addr.match(ln)
+        if m is None:
+            continue
+        at = int(m.group(1), 16)
+        if re.search(r"\bBRA\b", ln):
+            target = int(re.findall(r"0x([0-9a-f]+)", ln)[-1], 16)
+            if target <= at:
+                loops.append((target, at))
+        elif re.search(r"\b(STL|LDL)\b", ln):
+            local.append((at, ln))
+    return [ln for at, ln in local if any(lo <= at <= hi for lo, hi in loops)]
+
+
+def test_the_loop_finder_sees_a_spill_in_a_loop() -> None:
+    sass = ["/*0100*/ STL.64 [R1], R18 ;", "/*0200*/ LDL.64 R18, [R1] ;", "/*0300*/ @P0 BRA 0x180 ;",
+            "/*0400*/ STL [R1+0x8], R2 ;", "/*0500*/ BRA 0x500 ;"]
+    assert local_accesses_in_loops(sass) == ["/*0200*/ LDL.64 R18, [R1] ;"]
 
 
 def test_the_checked_sizes_cover_every_default_histogram_scheme(builds: dict[str, Any]) -> None:
