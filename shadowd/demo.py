@@ -5,7 +5,10 @@ registers a run, pushes a simulated MLA tree-verify workload (several layers, a 
 sizes, tree sizes and prefix lengths) through the real hook (:class:`ShadowSite` in validate
 mode) and the real streamer until the collector's verdict is definitive (at most ``duration``
 seconds), then prints the readiness verdict and where to look.
-``fault`` plants a faulty candidate: ``nan``, ``bias``, ``drift`` or ``crash``.
+``fault`` plants a faulty candidate: ``nan``, ``bias``, ``drift`` or ``crash``. Calls beyond the
+bundle tolerance or failing hard leave repro bundles (at most :data:`DEMO_BUNDLES`, in the demo's
+working directory or ``SHADOWD_BUNDLE_DIR``) that name importable callables — the fault's full-size
+form as the candidate — so ``shadowd replay`` reruns them; the end of the output says where they are.
 Exit status 0 only when the verdict is READY.
 """
 
@@ -31,17 +34,27 @@ from shadowd.cli import EXIT_USAGE, PortInUse, listen_socket
 from shadowd.client import CollectorClient, CollectorError
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.runtime import HookRuntime, set_runtime
-from shadowd.hook.simulate import FAULTS, baseline_attention, candidate_attention, faulty, make_case, oracle_attention
+from shadowd.hook.simulate import (
+    FAULT_REFS,
+    FAULTS,
+    baseline_attention,
+    candidate_attention,
+    faulty,
+    make_case,
+    oracle_attention,
+)
 from shadowd.hook.site import Bucket, ShadowSite
 from shadowd.hook.streamer import Streamer
 from shadowd.readiness_cli import evidence_lines, shapes_line, timing_line
 
-__all__ = ["DEMO_POLICY", "DRIFT_RAMP_S", "run_demo"]
+__all__ = ["DEMO_BUNDLES", "DEMO_POLICY", "DRIFT_RAMP_S", "run_demo"]
 
 DEMO_POLICY = Path(__file__).parent / "policies" / "demo.toml"
 #: seconds over which the ``drift`` fault grows to its full size (the workload itself may run longer: it runs
 #: until the verdict is definitive, at most ``duration``)
 DRIFT_RAMP_S = 60.0
+#: repro bundles the demo writes at most (the first breaches: enough to replay one, little disk)
+DEMO_BUNDLES = 5
 #: a ``duration`` below this rarely reaches a verdict (the demo policy's 20 s span plus start-up): said so
 SHORT_DURATION_S = 30.0
 #: the shape mix: (batch size, tree sizes drawn from, prefix lengths drawn from); cycled so that every
@@ -166,8 +179,10 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
                 return EXIT_USAGE
             print("the collector did not start; see " + str(work / "collector.log"), file=sys.stderr)
             return 1
+        bundles = Path(os.environ.get("SHADOWD_BUNDLE_DIR") or work / "bundles")
         cfg = HookConfig(mode="validate", sampling=Sampling(1), url=url, run_key=f"demo-{fault}-{int(time.time())}",
-                         oracle_every=50, spool_dir=work / "spool", disable_after=50, flush_interval_s=0.2)
+                         oracle_every=50, spool_dir=work / "spool", disable_after=50, flush_interval_s=0.2,
+                         bundle_dir=bundles, bundle_max=DEMO_BUNDLES)
         rt = HookRuntime(cfg)
         streamer = rt.start_streaming({
             "model": "simulated-mla (Kimi-K2-like shapes)", "num_layers": num_layers, "tp_size": 1,
@@ -179,7 +194,11 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
         run_id = int(rt.run_id or 0)
         set_runtime(rt)
         cand = faulty(candidate_attention, fault, duration_s=min(duration, DRIFT_RAMP_S))
-        site = ShadowSite("mla_tree_verify", baseline_attention, cand, oracle=oracle_attention, runtime=rt)
+        sim = baseline_attention.__module__
+        refs = {"baseline": f"{sim}:baseline_attention", "candidate": FAULT_REFS[fault],
+                "oracle": f"{sim}:oracle_attention"}
+        site = ShadowSite("mla_tree_verify", baseline_attention, cand, oracle=oracle_attention, runtime=rt,
+                          refs=refs)
         rng = random.Random(seed)
         t0 = last = checked = time.monotonic()
         steps = 0
@@ -205,6 +224,7 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
         print(f"  workload done: {steps} verify steps × {num_layers} layers, {streamer.sent} samples stored, "
               f"{streamer.dropped} dropped, {streamer.rejected} rejected")
         code = _verdict(client, run_id, fault, url)
+        _bundles_line(bundles)
         if code and fault == "none" and steps:
             print(f"\n(not enough evidence after {time.monotonic() - t0:.0f}s of traffic, {steps} verify steps, on "
                   f"this machine: rerun with a longer --duration, e.g. --duration {2 * duration:.0f}, or on a less "
@@ -249,6 +269,15 @@ def _stop_on_sigterm() -> Callable[[], None]:
         signal.signal(signal.SIGTERM, previous)
 
     return restore
+
+
+def _bundles_line(root: Path) -> None:
+    saved = sorted(p for p in root.iterdir() if (p / "meta.json").is_file()) if root.is_dir() else []
+    if saved:
+        print(f"\nrepro bundles: {len(saved)} in {root} (inputs and both outputs of breaching or failing calls); "
+              f"rerun one:\n  shadowd replay {saved[-1]}")
+    else:
+        print(f"\nrepro bundles: none (no call breached the bundle tolerance or failed; they would be in {root})")
 
 
 def _definitive(client: CollectorClient, run_id: int) -> bool:

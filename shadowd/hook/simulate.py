@@ -17,7 +17,9 @@ Two different correct implementations, so their diffs are real rounding differen
 * :func:`oracle_attention` — fp32 output of an fp64 computation (``mla_tree_verify.oracle`` when
   importable), chunked over query rows.
 
-:func:`make_case` builds random inputs; :func:`faulty` wraps a candidate with a planted fault.
+:func:`make_case` builds random inputs; :func:`faulty` wraps a candidate with a planted fault, and
+:data:`FAULT_REFS` names each fault's importable full-size form (``nan_candidate`` …), which the demo's repro
+bundles carry so that ``shadowd replay`` reruns them.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["D_QK", "D_V", "FAULTS", "SM_SCALE", "baseline_attention", "candidate_attention", "faulty",
-           "make_case", "oracle_attention"]
+__all__ = ["CRASH_TREE", "DRIFT_GAIN", "D_QK", "D_V", "FAULTS", "FAULT_REFS", "SM_SCALE", "baseline_attention",
+           "bias_candidate", "candidate_attention", "crash_candidate", "drift_candidate", "faulty", "make_case",
+           "nan_candidate", "oracle_attention"]
 
 D_QK, D_V = 576, 512
 SM_SCALE = 192 ** -0.5
@@ -159,11 +162,65 @@ def make_case(prefix_lens: list[int], tree_sizes: list[int], heads: int, seed: i
             torch.tensor(mask_indptr, dtype=torch.int32), SM_SCALE)
 
 
-def faulty(candidate: Callable[..., torch.Tensor], fault: str, *, duration_s: float = 60.0,
-           layer_of: Callable[[], int] | None = None) -> Callable[..., torch.Tensor]:
+#: the full-size form of each planted fault, importable as ``module:function``: what a repro bundle of the demo
+#: names as its candidate, so that ``shadowd replay`` reruns the faulty candidate (``none``: the correct one)
+FAULT_REFS = {"none": f"{__name__}:candidate_attention", "nan": f"{__name__}:nan_candidate",
+              "bias": f"{__name__}:bias_candidate", "drift": f"{__name__}:drift_candidate",
+              "crash": f"{__name__}:crash_candidate"}
+#: the drift fault's rounding-difference amplification at full size (it grows to this over ``duration_s``)
+DRIFT_GAIN = 31.0
+#: the crash fault raises on trees larger than this
+CRASH_TREE = 16
+
+
+def _crash_check(args: tuple[Any, ...]) -> None:
+    if int((args[3][1:] - args[3][:-1]).max()) > CRASH_TREE:
+        raise RuntimeError("tree_verify: unsupported tree size (planted fault)")
+
+
+def _plant_nan(out: torch.Tensor) -> torch.Tensor:
+    out = out.clone()
+    out[-1, 0, :4] = float("nan")
+    return out
+
+
+def _plant_bias(out: torch.Tensor) -> torch.Tensor:
+    return (out.float() + 2.0**-4 * out.float().abs().amax()).to(out.dtype)
+
+
+def _plant_drift(out: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], gain: float) -> torch.Tensor:
+    base = baseline_attention(*args, **kwargs).float()
+    return (base + (out.float() - base) * gain).to(out.dtype)
+
+
+def nan_candidate(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`candidate_attention` with NaN in four elements of its last row (the ``nan`` fault's faulty calls)."""
+    return _plant_nan(candidate_attention(*args, **kwargs))
+
+
+def bias_candidate(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`candidate_attention` shifted by 2^-4 of its largest |output| (the ``bias`` fault)."""
+    return _plant_bias(candidate_attention(*args, **kwargs))
+
+
+def drift_candidate(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`candidate_attention`'s rounding difference from the baseline amplified :data:`DRIFT_GAIN` times (the
+    ``drift`` fault at full size)."""
+    return _plant_drift(candidate_attention(*args, **kwargs), args, kwargs, DRIFT_GAIN)
+
+
+def crash_candidate(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`candidate_attention`, raising on trees larger than :data:`CRASH_TREE` tokens (the ``crash`` fault)."""
+    _crash_check(args)
+    return candidate_attention(*args, **kwargs)
+
+
+def faulty(candidate: Callable[..., torch.Tensor], fault: str, *, duration_s: float = 60.0
+           ) -> Callable[..., torch.Tensor]:
     """``candidate`` with a planted fault: ``nan`` (NaN in 1 of 7 calls), ``bias`` (+2^-4 of the
-    output scale), ``drift`` (its rounding difference amplified, growing with time to ~30×),
-    ``crash`` (raises on trees larger than 16 tokens), ``none`` (unchanged)."""
+    output scale), ``drift`` (its rounding difference amplified, growing with time over ``duration_s`` to
+    :data:`DRIFT_GAIN` times), ``crash`` (raises on trees larger than :data:`CRASH_TREE` tokens), ``none``
+    (unchanged). :data:`FAULT_REFS` names each fault's full-size form (every call faulty, the drift grown)."""
     if fault not in FAULTS:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     if fault == "none":
@@ -173,18 +230,16 @@ def faulty(candidate: Callable[..., torch.Tensor], fault: str, *, duration_s: fl
 
     def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls[0] += 1
-        if fault == "crash" and int((args[3][1:] - args[3][:-1]).max()) > 16:
-            raise RuntimeError("tree_verify: unsupported tree size (planted fault)")
+        if fault == "crash":
+            _crash_check(args)
         out = candidate(*args, **kwargs)
         if fault == "nan" and calls[0] % 7 == 0:
-            out = out.clone()
-            out[-1, 0, :4] = float("nan")
+            out = _plant_nan(out)
         elif fault == "bias":
-            out = (out.float() + 2.0**-4 * out.float().abs().amax()).to(out.dtype)
+            out = _plant_bias(out)
         elif fault == "drift":
             frac = min(1.0, (time.monotonic() - t0) / max(duration_s, 1e-3))
-            base = baseline_attention(*args, **kwargs).float()
-            out = (base + (out.float() - base) * (1.0 + 30.0 * frac**2)).to(out.dtype)
+            out = _plant_drift(out, args, kwargs, 1.0 + (DRIFT_GAIN - 1.0) * frac**2)
         return out
 
     return wrapped

@@ -38,6 +38,16 @@ def test_demo_reaches_ready_for_a_good_candidate():
     assert "  speed-up " in done.stdout and " timed calls: candidate " in done.stdout  # and the reason to switch
     assert "DEMO policy" in done.stdout  # it says plainly what it judges with
     assert "status page" in done.stdout
+    assert "repro bundles: none" in done.stdout  # two correct implementations breach nothing
+
+
+#: what replaying a planted fault's bundle shows (its full-size form reruns; the drift's grew over the run)
+REPLAYED = {
+    "nan": "rerun candidate vs saved: max_abs 0.000e+00",
+    "bias": "rerun candidate vs saved: max_abs 0.000e+00",
+    "drift": "rerun baseline vs saved: max_abs 0.000e+00",
+    "crash": "candidate raised: RuntimeError: tree_verify: unsupported tree size (planted fault)",
+}
 
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
@@ -47,6 +57,17 @@ def test_demo_planted_fault_is_not_ready_with_its_reason(fault):
     assert "readiness verdict for run 1: NOT_READY" in done.stdout
     assert EXPECTED[fault] in done.stdout, done.stdout
     assert "  ok " not in done.stdout  # no evidence lines beside a NOT_READY
+    # the breaching calls left repro bundles, and the command the demo prints reruns one (the drift is judged on
+    # its trend: its calls may all stay below the bundle tolerance of 1.6e-2 rel-L2, as the run stops early)
+    m = re.search(r"repro bundles: (\d+) in .*\n  shadowd replay (\S+)", done.stdout)
+    if fault == "drift" and m is None:
+        assert "repro bundles: none" in done.stdout, done.stdout
+        return
+    assert m and 1 <= int(m.group(1)) <= 5, done.stdout
+    replayed = subprocess.run([sys.executable, "-m", "shadowd", "replay", m.group(2)], capture_output=True,
+                              text=True, timeout=300)
+    assert replayed.returncode == (1 if fault == "crash" else 0), replayed.stdout + replayed.stderr
+    assert REPLAYED[fault] in replayed.stdout, replayed.stdout
 
 
 def test_demo_rejects_an_unknown_fault():
