@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from provenance import append_results, commit
 
 # shadowd is imported from ``--shadowd-from DIR`` (read before the imports) or else from this repo
 sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--shadowd-from") + 1]).resolve() if "--shadowd-from" in sys.argv
@@ -151,11 +151,7 @@ def main() -> int:
     dev = torch.device("cuda")
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip() or "uncommitted"
-    except OSError:
-        res["commit"] = "unknown"
+    res["commit"] = commit()
     res["triton"] = triton.__version__
     big = torch.empty(2**30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(big)
@@ -380,9 +376,7 @@ def _emit(res: dict, args: argparse.Namespace) -> int:
     print(txt)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write(txt + "\n")
+    append_results(args.results, txt)
     return 0
 
 

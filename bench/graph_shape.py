@@ -13,7 +13,6 @@ run. Both results are checked equal first.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from provenance import append_results, commit
 
 from shadowd.sglang.padding import graph_shape_torch
 from shadowd.sglang.triton_padding import graph_shape_fused
@@ -79,16 +80,9 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_shape: needs a CUDA device")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
-    except OSError:
-        commit = "unknown"
-    txt = render(measure(), torch.cuda.get_device_name(), commit)
+    txt = render(measure(), torch.cuda.get_device_name(), commit())
     print(txt)
-    if args.results:
-        with args.results.open("a") as f:
-            f.write(txt + "\n")
+    append_results(args.results, txt)
     return 0
 
 

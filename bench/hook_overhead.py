@@ -20,7 +20,6 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from provenance import append_results, commit
 
 from shadowd.client import CollectorClient
 from shadowd.hook.config import HookConfig, Sampling
@@ -40,23 +41,16 @@ from shadowd.hook.streamer import Streamer
 
 def cpu_header(script: str) -> tuple[str, datetime.datetime]:
     """A CPU bench's results heading (script, UTC time, CPU, Python, torch, commit) and that time."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
-    except OSError:
-        commit = "unknown"
     now = datetime.datetime.now(datetime.UTC)
     return (f"## bench/{script} — {now:%Y-%m-%d %H:%M} UTC — {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__} — "
-            f"commit {commit}\n\n"), now
+            f"commit {commit()}\n\n"), now
 
 
-def append_results(subject: str, now: datetime.datetime, text: str) -> None:
+def append_dated(subject: str, now: datetime.datetime, text: str) -> None:
     """Append ``text`` to ``bench/results/<subject>-<date>.md`` (the date of ``now``) and say where."""
     path = Path(__file__).parent / "results" / f"{subject}-{now:%Y-%m-%d}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(text)
+    append_results(path, text)
     print(f"appended to {path}")
 
 
@@ -159,7 +153,7 @@ def main() -> int:
         md += cuda_rows()
     print(md)
     if not args.no_write:
-        append_results("hook", now, md + "\n")
+        append_dated("hook", now, md)
     return 0
 
 

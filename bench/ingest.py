@@ -41,6 +41,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from provenance import append_results, commit  # noqa: E402
+
 from shadowd.collector.batch import parse_batch  # noqa: E402
 from shadowd.collector.db import make_engine, upgrade  # noqa: E402
 from shadowd.collector.store import Store  # noqa: E402
@@ -190,15 +192,6 @@ def pg_fresh(admin_url: str) -> tuple[str, callable]:
     return u.set(database=name).render_as_string(hide_password=False), drop
 
 
-def commit() -> str:
-    try:
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet"], cwd=ROOT) != 0
-        return f"{sha} + uncommitted changes" if dirty else sha
-    except Exception:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=60, help="batches per client")
@@ -270,8 +263,7 @@ def main() -> None:
     if not out.exists():
         out.write_text("# Ingest throughput (bench/ingest.py)\n\nGoal: ≥ 200 000 records/s into SQLite and ≥ half "
                        "of each database's raw rate, on a 2-core machine.\n")
-    with out.open("a") as f:
-        f.write(report)
+    append_results(out, report)
     print(header)
     print("\n".join(lines))
     print(f"appended to {out.relative_to(ROOT)}")

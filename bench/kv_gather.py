@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import subprocess
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from provenance import append_results, commit
 
 ROW = 576  # bf16 elements per latent KV row (1152 bytes)
 ROW_C = tl.constexpr(ROW)  # (kernels may only read constexpr globals)
@@ -128,16 +128,9 @@ def main() -> int:
         raise SystemExit("kv_gather: needs a CUDA device")
     if args.rows < 1:
         raise SystemExit("--rows must be at least 1")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
-    except OSError:
-        commit = "unknown"
-    txt = render(measure(args.rows), torch.cuda.get_device_name(), commit)
+    txt = render(measure(args.rows), torch.cuda.get_device_name(), commit())
     print(txt)
-    if args.results:
-        with args.results.open("a") as f:
-            f.write(txt + "\n")
+    append_results(args.results, txt)
     return 0
 
 

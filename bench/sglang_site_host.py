@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.hook_overhead import append_results, cpu_header, per_call
+from bench.hook_overhead import append_dated, cpu_header, per_call
 
 
 def main() -> int:
@@ -73,7 +73,7 @@ def main() -> int:
             f"{t_other * 1e6:.2f} ({t_other / t_first:.2f}×)\n")
     print(text)
     if not args.no_write:
-        append_results("sglang", now, "\n" + text)
+        append_dated("sglang", now, "\n" + text)
     return 0
 
 

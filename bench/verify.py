@@ -35,6 +35,7 @@ import conftest  # noqa: E402,F401  (makes mla_tree_verify importable from the c
 import mla_tree_verify  # noqa: E402
 from mla_tree_verify import compile_check, testing  # noqa: E402
 from mla_tree_verify._build import find_nvcc  # noqa: E402
+from provenance import append_results, commit  # noqa: E402
 
 SHAPES = [  # (B, L, T, H) - CONTEXT.md section 4, then our own
     (1, 4096, 8, 8),
@@ -275,19 +276,6 @@ def run_shape(B, L, T, H, bw, peak, have_triton, seed=0):
     return res
 
 
-def commit() -> str:
-    try:
-        h = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        if h.returncode == 0 and h.stdout.strip():
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "kernel"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip()
-            return h.stdout.strip()[:12] + (" (+uncommitted kernel/ changes)" if dirty else "")
-    except OSError:
-        pass
-    return "uncommitted"
-
-
 def table(rows) -> str:
     lines = [
         "| B | L | T | H | splits | kernel µs | Triton µs | floor µs | % of floor | speed-up vs Triton | "
@@ -367,11 +355,9 @@ def main(argv=None) -> int:
         Path(ns.out_dir, "bench.md").write_text(md)
     if not ns.no_append:
         path = ROOT / "bench" / "results" / f"verify-{date:%Y-%m-%d}.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
-            path.write_text("# bench/verify.py results\n")
-        with path.open("a") as f:
-            f.write(md)
+            append_results(path, "# bench/verify.py results")
+        append_results(path, md)
     return 0
 
 

@@ -40,7 +40,7 @@ import conftest  # noqa: E402,F401  (makes mla_tree_verify importable from the c
 import mla_tree_verify  # noqa: E402
 import torch  # noqa: E402
 from mla_tree_verify import testing  # noqa: E402
-from verify import commit  # noqa: E402
+from provenance import append_results, commit  # noqa: E402
 
 SHAPES = [(1, 4096, 8, 8), (1, 32768, 16, 8), (4, 8192, 64, 16)]
 CALLS, BATCHES = 100, 30
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out_dir, "verify_host.json").write_text(json.dumps(rows, indent=2))
     if not args.no_append:
         res = ROOT / "bench" / "results" / f"verify-{dt.date.today():%Y-%m-%d}.md"
-        with res.open("a") as f:
-            f.write("\n" + text)
+        append_results(res, text)
     return 0
 
 
