@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from provenance import append_results, commit
 
 # shadowd is imported from ``--shadowd-from DIR`` (read before the imports) or else from this repo
 sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--shadowd-from") + 1]).resolve() if "--shadowd-from" in sys.argv
                        else Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # (this repo's bench/ for its provenance helper)
 
+from bench.provenance import append_results, commit
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.device import REC, TILE, hist_mode_for, launch_stats, new_accumulator
 from shadowd.hook.diffstats import raw_stats_torch

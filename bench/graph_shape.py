@@ -22,8 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from provenance import append_results, commit
-
+from bench.provenance import append_results, commit
 from shadowd.sglang.padding import graph_shape_torch
 from shadowd.sglang.triton_padding import graph_shape_fused
 

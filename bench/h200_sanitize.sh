@@ -17,7 +17,7 @@ SUMMARY="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 note "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
-note "commit $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo '+changes')"
+note "commit ${SHADOWD_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo '+changes')}"
 note "$(python3 -c 'import sys,torch,triton;print("python",sys.version.split()[0],"torch",torch.__version__,"triton",triton.__version__)' 2>&1)"
 note "$(compute-sanitizer --version 2>&1 | tail -1)"
 

@@ -29,8 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from provenance import append_results, commit
-
+from bench.provenance import append_results, commit
 from shadowd.client import CollectorClient
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.runtime import HookRuntime

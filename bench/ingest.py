@@ -41,8 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provenance import append_results, commit  # noqa: E402
-
+from bench.provenance import append_results, commit  # noqa: E402
 from shadowd.collector.batch import parse_batch  # noqa: E402
 from shadowd.collector.db import make_engine, upgrade  # noqa: E402
 from shadowd.collector.store import Store  # noqa: E402

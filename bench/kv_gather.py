@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from provenance import append_results, commit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.provenance import append_results, commit
 
 ROW = 576  # bf16 elements per latent KV row (1152 bytes)
 ROW_C = tl.constexpr(ROW)  # (kernels may only read constexpr globals)

@@ -31,11 +31,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "kernel"))
+sys.path.insert(0, str(ROOT))
 import conftest  # noqa: E402,F401  (makes mla_tree_verify importable from the checkout)
 import mla_tree_verify  # noqa: E402
 from mla_tree_verify import compile_check, testing  # noqa: E402
 from mla_tree_verify._build import find_nvcc  # noqa: E402
-from provenance import append_results, commit  # noqa: E402
+
+from bench.provenance import append_results, commit  # noqa: E402
 
 SHAPES = [  # (B, L, T, H) - CONTEXT.md section 4, then our own
     (1, 4096, 8, 8),

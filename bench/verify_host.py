@@ -36,11 +36,13 @@ if "--from" in sys.argv:  # read before the imports: mla_tree_verify comes from 
     sys.path.insert(0, str(_pkg))
 sys.path.insert(0, str(ROOT / "tests" / "kernel"))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 import conftest  # noqa: E402,F401  (makes mla_tree_verify importable from the checkout)
 import mla_tree_verify  # noqa: E402
 import torch  # noqa: E402
 from mla_tree_verify import testing  # noqa: E402
-from provenance import append_results, commit  # noqa: E402
+
+from bench.provenance import append_results, commit  # noqa: E402
 
 SHAPES = [(1, 4096, 8, 8), (1, 32768, 16, 8), (4, 8192, 64, 16)]
 CALLS, BATCHES = 100, 30

@@ -6,9 +6,10 @@ sizes, tree sizes and prefix lengths) through the real hook (:class:`ShadowSite`
 mode) and the real streamer until the collector's verdict is definitive (at most ``duration``
 seconds), then prints the readiness verdict and where to look.
 ``fault`` plants a faulty candidate: ``nan``, ``bias``, ``drift`` or ``crash``. Calls beyond the
-bundle tolerance or failing hard leave repro bundles (at most :data:`DEMO_BUNDLES`, in the demo's
-working directory or ``SHADOWD_BUNDLE_DIR``) that name importable callables — the fault's full-size
-form as the candidate — so ``shadowd replay`` reruns them; the end of the output says where they are.
+bundle tolerance or failing hard leave repro bundles (at most :data:`DEMO_BUNDLES`, in the demo's own
+temporary directory: never a production ``SHADOWD_BUNDLE_DIR``, whose bound they would count against)
+that name importable callables — the fault's full-size form as the candidate — so ``shadowd replay``
+reruns them; the end of the output says where they are.
 Exit status 0 only when the verdict is READY.
 """
 
@@ -179,7 +180,7 @@ def run_demo(fault: str = "none", db_url: str | None = None, port: int | None = 
                 return EXIT_USAGE
             print("the collector did not start; see " + str(work / "collector.log"), file=sys.stderr)
             return 1
-        bundles = Path(os.environ.get("SHADOWD_BUNDLE_DIR") or work / "bundles")
+        bundles = work / "bundles"  # (the demo's own: SHADOWD_BUNDLE_DIR is production's)
         cfg = HookConfig(mode="validate", sampling=Sampling(1), url=url, run_key=f"demo-{fault}-{int(time.time())}",
                          oracle_every=50, spool_dir=work / "spool", disable_after=50, flush_interval_s=0.2,
                          bundle_dir=bundles, bundle_max=DEMO_BUNDLES)

@@ -24,42 +24,57 @@ __all__ = ["describe_launch"]
 
 _DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
            torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-           torch.bool: "i1"}
+           torch.bool: "u1"}
 
 
-def _arg_type(name: str, value: Any) -> str:
-    # Triton's notation for a runtime argument, as its JIT specializes it (integers: i32 when they fit)
+def _specialize(name: str, value: Any, specialize: bool) -> tuple[str, bool]:
+    # (Triton's type for a runtime argument, whether the JIT marks it divisible by 16), as its launch specializes
+    # it: 16-byte aligned pointers and integers that are multiples of 16 get the hint unless the kernel lists them
+    # in ``do_not_specialize``; integers are i32 when they fit; bools u1
     if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[value.dtype]
+        if value.dtype not in _DTYPES:
+            raise TypeError(f"{name}: no Triton pointer type recorded for {value.dtype}")
+        return "*" + _DTYPES[value.dtype], specialize and value.data_ptr() % 16 == 0
     if isinstance(value, bool):
-        return "i1"
+        return "u1", False
     if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else ("i64" if value < 2**63 else "u64")
+        kind = "i32" if -(2**31) <= value < 2**31 else ("i64" if value < 2**63 else "u64")
+        return kind, specialize and value % 16 == 0
     if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"{name}: no Triton signature type for {type(value).__name__}")
+        return "fp32", False
+    raise TypeError(f"{name}: no Triton signature type recorded for {type(value).__name__}")
 
 
 def describe_launch(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """One launch of the interpreted kernel ``fn`` as ``{"module", "name", "signature", "constexprs", "options"}``."""
+    """One launch of the interpreted kernel ``fn`` as ``{"module", "name", "signature", "constexprs", "aligned",
+    "options"}``: Triton's signature notation per parameter ("constexpr" for constexpr parameters, ``None`` and —
+    unless the kernel does not specialize them — integers equal to 1, as the JIT makes them), their values, the
+    parameters the JIT would mark divisible by 16, and the launch options (``num_warps`` …)."""
     params = list(inspect.signature(fn.fn).parameters.values())
     names = [p.name for p in params]
+    keep = set(fn.kwargs.get("do_not_specialize") or ())
     bound = dict(zip(names, args, strict=False))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
+    aligned: list[str] = []
     for p in params:
         value = bound.get(p.name, p.default)
         if value is inspect.Parameter.empty:
             raise TypeError(f"{fn.fn.__name__}: no value for {p.name}")
-        if "constexpr" in str(p.annotation) or value is None:
+        specialize = p.name not in keep
+        if "constexpr" in str(p.annotation) or value is None or (specialize and type(value) is int and value == 1):
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                raise TypeError(f"{fn.fn.__name__}: constexpr {p.name} is a {type(value).__name__}")
             signature[p.name] = "constexpr"
             constexprs[p.name] = value
-        else:
-            signature[p.name] = _arg_type(p.name, value)
+            continue
+        signature[p.name], hint = _specialize(p.name, value, specialize)
+        if hint:
+            aligned.append(p.name)
     options = {k: v for k, v in kwargs.items() if k not in names}
     return {"module": fn.fn.__module__, "name": fn.fn.__name__, "signature": signature, "constexprs": constexprs,
-            "options": options}
+            "aligned": aligned, "options": options}
 
 
 _seen: dict[str, dict[str, Any]] = {}

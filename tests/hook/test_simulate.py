@@ -4,6 +4,7 @@ the live one the demo's candidate wraps and the importable full-size one its rep
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -61,7 +62,8 @@ def test_the_live_faults_as_the_demo_plants_them(case: tuple[object, ...]) -> No
     # the drift starts at the candidate's own rounding and grows over duration_s
     drift = sim.faulty(sim.candidate_attention, "drift", duration_s=3600.0)
     assert torch.equal(drift(*case), sim.candidate_attention(*case))
-    grown = sim.faulty(sim.candidate_attention, "drift", duration_s=1e-6)
+    grown = sim.faulty(sim.candidate_attention, "drift", duration_s=1e-3)  # (the shortest ramp it takes)
+    time.sleep(0.01)
     assert torch.equal(grown(*case), sim.drift_candidate(*case))
     crash = sim.faulty(sim.candidate_attention, "crash")
     with pytest.raises(RuntimeError, match="planted fault"):
