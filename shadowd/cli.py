@@ -216,7 +216,8 @@ def demo(
     """Run the whole loop on the CPU: collector, hook, streamer, verdict.
 
     Starts a collector on SQLite, runs a simulated MLA tree-verify workload through the real hook and
-    streamer, and prints the readiness verdict (judged with the shipped demo policy)."""
+    streamer, and prints the readiness verdict (judged with the shipped demo policy) and the `shadowd replay`
+    command for a repro bundle of a breaching call, when there is one."""
     from shadowd.demo import FAULTS, run_demo
 
     if fault not in FAULTS:
