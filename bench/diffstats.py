@@ -33,12 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-# shadowd is imported from ``--shadowd-from DIR`` (read before the imports) or else from this repo
-sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--shadowd-from") + 1]).resolve() if "--shadowd-from" in sys.argv
-                       else Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # (this repo's bench/ for its provenance helper)
-
+# this repo's provenance helper first (labels this checkout, whatever --shadowd-from names); then shadowd from
+# ``--shadowd-from DIR`` (read before the imports) or else from this repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import append_results, commit
+
+if "--shadowd-from" in sys.argv:
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--shadowd-from") + 1]).resolve()))
+
 from shadowd.hook.config import HookConfig, Sampling
 from shadowd.hook.device import REC, TILE, hist_mode_for, launch_stats, new_accumulator
 from shadowd.hook.diffstats import raw_stats_torch

@@ -13,6 +13,7 @@ run. Both results are checked equal first.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,8 @@ def measure() -> list[tuple[int, int, float, float]]:
 
 
 def render(results: list[tuple[int, int, float, float]], gpu: str, commit: str) -> str:
-    lines = [f"## bench/graph_shape.py — {gpu} — commit {commit}", "",
+    lines = [f"## bench/graph_shape.py — {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC — {gpu} — commit {commit} — "
+             f"torch {torch.__version__}", "",
              "| requests × drafts | torch ops, µs per call | fused kernel, µs per call | ratio |", "|---|---|---|---|"]
     lines += [f"| {bs} × {d} | {t:.2f} | {f:.2f} | {t / f:.1f}× |" for bs, d, t, f in results]
     return "\n".join(lines) + "\n"

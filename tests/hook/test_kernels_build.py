@@ -70,7 +70,7 @@ for i, launch in enumerate(launches):
         if launch["name"] == "_stats_kernel":
             # its GPU configuration for the recorded variant (the interpreted run takes the interpreter's: tl.histogram,
             # no register cap), at the small tile; the other tiles: test_stats_build.py
-            size = 4 if launch["signature"]["c_ptr"] == "*fp32" else 2
+            size = {"*fp64": 8, "*fp32": 4, "*bf16": 2, "*fp16": 2}[launch["signature"]["c_ptr"]]
             _nprog, config = stats_config(2**16, size, sms, pdl=True, stamp=True, has_valid=constexprs["HAS_VALID"],
                                           has_flag=constexprs["HAS_FLAG"], publish=constexprs["PUBLISH"],
                                           interpret=False)

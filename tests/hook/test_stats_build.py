@@ -53,13 +53,13 @@ tools = Path(nv.__file__).parent / "bin"
 if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
     print("RESULT " + json.dumps({"skip": f"Triton's NVIDIA tools (ptxas, cuobjdump) are not in {tools}"}))
     sys.exit(0)
-sig = {"c_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*i64", "accf_ptr": "*fp64", "n_static": "i64",
+sig = {"c_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*i64", "accf_ptr": "*fp64", "n_static": "i32",
        "valid_ptr": "*i64", "row_numel": "i32", "sstate_ptr": "*i64", "rec_ptr": "*fp64", "seq_ptr": "*i64",
        "ring_size": "i32", "rec_size": "i32", "dstate_ptr": "*i64", "hard_scaled": "fp32", "hard_rel_l2_sq": "fp32",
        "site_id": "i32", "kind": "i32", "flag_ptr": "*i64"}
 names = list(sig)
-# pointers 16-byte aligned and row sizes a multiple of 16, as the JIT specializes them at launch
-attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a][0] == "*" or a == "row_numel"}
+# pointers 16-byte aligned, as the JIT specializes them at launch (row_numel is in do_not_specialize)
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a][0] == "*"}
 res = {}
 for arch, sms in targets:
     for n in sizes:
@@ -76,7 +76,7 @@ for arch, sms in targets:
         sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
         # the SASS lines that matter here: local-memory accesses and branches (loops are the backward ones)
-        marks = [ln.strip() for ln in sass.splitlines() if re.search(r"\b(STL|LDL|BRA)\b", ln)]
+        marks = [ln.strip() for ln in sass.splitlines() if re.search(r"\b(STL|LDL|BRA|BRX|JMP|JMX|CALL|RET)\b", ln)]
         res[f"{arch}-{n}"] = {"config": {**config, **options}, "usage": usage, "sass": marks}
 print("RESULT " + json.dumps(res))
 '''
@@ -115,25 +115,42 @@ def test_the_default_configuration_compiles_without_spills(n: int, arch: int, bu
 
 #: a branch instruction's target in a SASS line (the last hex number before the ``;``, not the encoding after it)
 BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s[^;]*?0x([0-9a-f]+)\s*;")
+#: a subroutine call's target
+CALL = re.compile(r"\bCALL(?:\.\S+)?\s[^;]*?0x([0-9a-f]+)\s*;")
 
 
 def local_accesses_in_loops(marks: list[str]) -> list[str]:
     """The local-memory accesses (``STL`` / ``LDL``) of a kernel's SASS lines that lie inside a loop: between a
-    backward branch's target and the branch."""
+    backward branch's target and the branch, or in a subroutine (a ``CALL``'s target up to its ``RET``) called from
+    inside one. An indirect branch (``BRX``, ``JMP``, ``JMX``) hides where loops are: then the whole kernel counts."""
     addr = re.compile(r"^/\*([0-9a-f]+)\*/")
-    loops, local = [], []
+    loops, local, calls, rets = [], [], [], []
+    last = 0
     for ln in marks:
         m = addr.match(ln)
         if m is None:
             continue
         at = int(m.group(1), 16)
-        branch = re.search(BRANCH, ln)
-        if branch is not None:
-            target = int(branch.group(1), 16)
-            if target <= at:
-                loops.append((target, at))
+        last = max(last, at)
+        if (branch := BRANCH.search(ln)) is not None:
+            if int(branch.group(1), 16) <= at:
+                loops.append((int(branch.group(1), 16), at))
+        elif (call := CALL.search(ln)) is not None:
+            calls.append((at, int(call.group(1), 16)))
+        elif re.search(r"\b(BRX|JMP|JMX)\b", ln):
+            loops.append((0, 2**64))
+        elif re.search(r"\bRET\b", ln):
+            rets.append(at)
         elif re.search(r"\b(STL|LDL)\b", ln):
             local.append((at, ln))
+    grown = True
+    while grown:  # subroutines called from a loop (or from such a subroutine) are part of it
+        grown = False
+        for at, target in calls:
+            body = (target, min([r for r in rets if r >= target], default=last))
+            if body not in loops and any(lo <= at <= hi for lo, hi in loops):
+                loops.append(body)
+                grown = True
     return [ln for at, ln in local if any(lo <= at <= hi for lo, hi in loops)]
 
 
@@ -149,6 +166,15 @@ def test_the_loop_finder_sees_a_spill_in_a_loop() -> None:
     assert local_accesses_in_loops(sass) == [sass[1]]
     assert local_accesses_in_loops([*sass[:4], "/*0500*/ BRA.U !UP0, 0x380 ;  /* 0xfffffffc08007547 */"]) == \
         [sass[1], sass[3]]
+    # a subroutine called from inside a loop is inside it; called from outside, it is not
+    sub = ["/*0900*/                   STL [R1+0x18], R4 ;         /* 0x0000180401007387 */",
+           "/*0a00*/                   RET.REL.NODEC R20 0x0 ;     /* 0xfffffff414007950 */"]
+    called = ["/*0250*/                   CALL.REL.NOINC 0x900 ;      /* 0x0000000000007944 */"]
+    assert local_accesses_in_loops([*sass, *called, *sub]) == [sass[1], sub[0]]
+    assert local_accesses_in_loops([*sass, "/*0650*/ CALL.REL.NOINC 0x900 ;  /* 0x0 */", *sub]) == [sass[1]]
+    # an indirect branch hides the loops: every local access counts
+    assert local_accesses_in_loops([*sass, "/*0800*/ BRX R2 -0x810 ;  /* 0x0 */"]) == [sass[0], sass[1], sass[3],
+                                                                                          sass[6]]
 
 
 def test_the_loop_finder_sees_the_loops_of_every_build(builds: dict[str, Any]) -> None:
@@ -161,7 +187,8 @@ def test_the_loop_finder_sees_the_loops_of_every_build(builds: dict[str, Any]) -
             if at and branch and int(branch.group(1), 16) <= int(at.group(1), 16):
                 planted.append(f"/*{branch.group(1)}*/ STL [R1], R0 ;")
         assert planted, f"{key}: no backward branch in the SASS"
-        assert local_accesses_in_loops([*b["sass"], *planted]) == planted, key
+        found = local_accesses_in_loops([*b["sass"], *planted])
+        assert [ln for ln in found if ln in planted] == planted, key
 
 
 def test_the_checked_sizes_cover_every_default_histogram_scheme(builds: dict[str, Any]) -> None:
