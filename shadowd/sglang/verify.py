@@ -180,18 +180,22 @@ class VerifyShadow:
                             **extra)
         self.shadowed += 1
         md = backend.forward_metadata
-        if save_kv_cache:
-            self._write_kv(backend, layer, forward_batch, k, v)
+        written = False  # whether this wrapper wrote the draft K/V (then SGLang's fallback must not write it again)
         try:
+            if save_kv_cache:
+                self._write_kv(backend, layer, forward_batch, k, v)
+                written = True
             site = self._site(backend)
             heads = int(layer.tp_q_head_num)
             call = VerifyCall(original, backend, layer, forward_batch, heads, float(layer.scaling),
                               int(md.max_extend_len))
             layer_id = int(layer.layer_id)
             bucket = self._bucket(q, heads, forward_batch, md, site, layer_id)
-        except Exception as e:  # the hook's own code before the site: SGLang serves the call (its K/V is written)
+        except Exception as e:  # the hook's own code before the site (its glue to SGLang's KV write included):
+            # SGLang serves the call, writing the draft K/V itself unless the wrapper already did
             self._hook_fault(rt, e)
-            return original(backend, q, k, v, layer, forward_batch, False, sinks, score_mod, aux_tensors)
+            return original(backend, q, k, v, layer, forward_batch, save_kv_cache and not written, sinks, score_mod,
+                            aux_tensors)
         out = site(call, q, k, v, kv_buffer, md.qo_indptr, md.kv_indptr, md.kv_indices, md.custom_mask,
                    md.mask_indptr, layer=layer_id, bucket=bucket)
         attn_out = getattr(forward_batch, "_attn_output", None)
@@ -201,9 +205,9 @@ class VerifyShadow:
         return out
 
     def _hook_fault(self, rt: Any, err: Exception) -> None:
-        """What the wrapper's own code raised before the site took the call (building the site or the call's shape
-        bucket): the candidate is disabled for the process with the reason (reported with the producer's figures)
-        and the traceback logged once; the caller serves SGLang's own forward."""
+        """What the wrapper's own code raised before the site took the call (writing the draft K/V, building the
+        site or the call's shape bucket): the candidate is disabled for the process with the reason (reported with
+        the producer's figures) and the traceback logged once; the caller serves SGLang's own forward."""
         self.hook_faults += 1
         if self.hook_faults == 1:
             log.error("shadowd: the verify hook failed before its site; SGLang serves the call", exc_info=err)

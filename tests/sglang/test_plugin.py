@@ -419,13 +419,15 @@ def test_spec_on_counts_only_steps_that_serve_the_candidate(sgl: Any, fresh_plug
     assert spec.summary("validate") == (1.5, 3.0)
 
 
+@pytest.mark.parametrize("broken", ["warm_graph_shape", "_write_kv"])
 @pytest.mark.parametrize("mode", ["validate", "on"])
 def test_a_fault_in_the_hooks_own_shape_code_serves_sglang_and_disables_the_candidate(
         sgl: Any, fresh_plugins: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        mode: str) -> None:
-    """The wrapper builds the call's shape bucket before its site takes the call (on CUDA, a Triton kernel): a
-    failure there used to raise into SGLang's forward. SGLang now serves the call, its KV cache written once as
-    without the hook; the candidate is disabled for the process with the reason; the traceback is logged once."""
+        mode: str, broken: str) -> None:
+    """The wrapper writes the draft K/V (through SGLang's internals) and builds the call's shape bucket (on CUDA, a
+    Triton kernel) before its site takes the call: a failure there used to raise into SGLang's forward. SGLang now
+    serves the call, its KV cache written as without the hook (by SGLang itself when the wrapper's write failed);
+    the candidate is disabled for the process with the reason; the traceback is logged once."""
     import logging
 
     import shadowd.sglang.verify as verify
@@ -436,10 +438,10 @@ def test_a_fault_in_the_hooks_own_shape_code_serves_sglang_and_disables_the_cand
     samples = _runtime(mode)
     _load(fresh_plugins, monkeypatch, mode)
 
-    def broken(*args: Any, **kwargs: Any) -> None:
+    def fails(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("shape kernel failed to compile")
 
-    monkeypatch.setattr(verify, "warm_graph_shape", broken)
+    monkeypatch.setattr(verify.VerifyShadow if broken == "_write_kv" else verify, broken, fails)
     case = make_case(sgl)
     with caplog.at_level(logging.ERROR, logger="shadowd"):
         got = run_layers(case)
